@@ -1,0 +1,157 @@
+// pybind11 bindings: the only file that knows about Python. Names match the C++
+// ones. SchedulerOutput arrays are exposed as numpy views into the C++ vectors
+// (no copy); each view keeps its SchedulerOutput alive through its base object.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "block_pool.h"
+#include "block_table.h"
+#include "errors.h"
+#include "kv_cache_manager.h"
+#include "scheduler.h"
+
+namespace py = pybind11;
+using namespace pagedserve;
+
+namespace {
+
+// An int32 numpy view of a vector owned by `owner` (writable so torch.from_numpy
+// can wrap it without a copy; the vector is rebuilt by the next schedule()).
+py::array view(const py::object& owner, const std::vector<int32_t>& v,
+               std::vector<py::ssize_t> shape) {
+  std::vector<py::ssize_t> strides(shape.size(), sizeof(int32_t));
+  for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+  return py::array(py::dtype::of<int32_t>(), shape, strides, v.data(), owner);
+}
+
+template <std::vector<int32_t> SchedulerOutput::*Field>
+py::array flat_view(const py::object& self) {
+  const auto& v = self.cast<const SchedulerOutput&>().*Field;
+  return view(self, v, {static_cast<py::ssize_t>(v.size())});
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "PagedServe C++ core: block pool, block tables, KV cache manager, scheduler.";
+
+  auto base = py::register_exception<PagedServeError>(m, "PagedServeError", PyExc_RuntimeError);
+  py::register_exception<BlockPoolError>(m, "BlockPoolError", base.ptr());
+  py::register_exception<OutOfBlocksError>(m, "OutOfBlocksError", base.ptr());
+  py::register_exception<RequestRejectedError>(m, "RequestRejectedError", PyExc_ValueError);
+  py::register_exception<UnknownRequestError>(m, "UnknownRequestError", PyExc_KeyError);
+
+  py::class_<BlockPool>(m, "BlockPool")
+      .def(py::init<int32_t>(), py::arg("num_blocks"))
+      .def_property_readonly("num_blocks", &BlockPool::num_blocks)
+      .def_property_readonly("num_free_blocks", &BlockPool::num_free_blocks)
+      .def("allocate", &BlockPool::allocate)
+      .def("incref", &BlockPool::incref, py::arg("block_id"))
+      .def("free", &BlockPool::free, py::arg("block_id"))
+      .def("refcount", &BlockPool::refcount, py::arg("block_id"));
+
+  py::class_<BlockTable>(m, "BlockTable")
+      .def_property_readonly("block_size", &BlockTable::block_size)
+      .def_property_readonly("block_ids", &BlockTable::block_ids)
+      .def_property_readonly("num_blocks", &BlockTable::num_blocks)
+      .def("slot", &BlockTable::slot, py::arg("position"));
+
+  py::class_<KVCacheManager>(m, "KVCacheManager")
+      .def(py::init<int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"))
+      .def_property_readonly("block_size", &KVCacheManager::block_size)
+      .def_property_readonly("num_blocks", &KVCacheManager::num_blocks)
+      .def_property_readonly("num_free_blocks", &KVCacheManager::num_free_blocks)
+      .def_property_readonly("usage", &KVCacheManager::usage)
+      .def("can_allocate", &KVCacheManager::can_allocate, py::arg("num_tokens"))
+      .def("allocate", &KVCacheManager::allocate, py::arg("seq_id"), py::arg("num_tokens"))
+      .def("can_append", &KVCacheManager::can_append, py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("append", &KVCacheManager::append, py::arg("seq_id"), py::arg("num_new_tokens"))
+      .def("free", &KVCacheManager::free, py::arg("seq_id"))
+      .def("block_table", &KVCacheManager::block_table, py::arg("seq_id"),
+           py::return_value_policy::copy)
+      .def("num_tokens", &KVCacheManager::num_tokens, py::arg("seq_id"));
+
+  py::enum_<FinishReason>(m, "FinishReason")
+      .value("NONE", FinishReason::kNone)
+      .value("STOP", FinishReason::kStop)
+      .value("LENGTH", FinishReason::kLength)
+      .value("ABORT", FinishReason::kAbort);
+
+  py::class_<StopCriteria>(m, "StopCriteria")
+      .def(py::init<>())
+      .def(py::init([](int32_t max_tokens, bool ignore_eos, std::vector<int32_t> eos,
+                       std::vector<int32_t> stop_ids) {
+             return StopCriteria{max_tokens, ignore_eos, std::move(eos), std::move(stop_ids)};
+           }),
+           py::arg("max_tokens"), py::arg("ignore_eos") = false,
+           py::arg("eos_token_ids") = std::vector<int32_t>{},
+           py::arg("stop_token_ids") = std::vector<int32_t>{})
+      .def_readwrite("max_tokens", &StopCriteria::max_tokens)
+      .def_readwrite("ignore_eos", &StopCriteria::ignore_eos)
+      .def_readwrite("eos_token_ids", &StopCriteria::eos_token_ids)
+      .def_readwrite("stop_token_ids", &StopCriteria::stop_token_ids);
+
+  py::class_<SchedulerConfig>(m, "SchedulerConfig")
+      .def(py::init([](int32_t seqs, int32_t tokens, int32_t len) {
+             return SchedulerConfig{seqs, tokens, len};
+           }),
+           py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
+           py::arg("max_model_len") = 2048)
+      .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
+      .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
+      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len);
+
+  py::class_<SchedulerOutput, std::shared_ptr<SchedulerOutput>>(m, "SchedulerOutput")
+      .def_readonly("request_ids", &SchedulerOutput::request_ids)
+      .def_readonly("preempted_request_ids", &SchedulerOutput::preempted_request_ids)
+      .def_readonly("max_num_blocks_per_seq", &SchedulerOutput::max_num_blocks_per_seq)
+      .def_property_readonly("num_seqs", &SchedulerOutput::num_seqs)
+      .def_property_readonly("total_num_scheduled_tokens", &SchedulerOutput::total_num_scheduled_tokens)
+      .def_property_readonly("empty", &SchedulerOutput::empty)
+      .def_property_readonly("num_scheduled_tokens", &flat_view<&SchedulerOutput::num_scheduled_tokens>)
+      .def_property_readonly("num_computed_tokens", &flat_view<&SchedulerOutput::num_computed_tokens>)
+      .def_property_readonly("query_start_loc", &flat_view<&SchedulerOutput::query_start_loc>)
+      .def_property_readonly("seq_lens", &flat_view<&SchedulerOutput::seq_lens>)
+      .def_property_readonly("input_ids", &flat_view<&SchedulerOutput::input_ids>)
+      .def_property_readonly("positions", &flat_view<&SchedulerOutput::positions>)
+      .def_property_readonly("slot_mapping", &flat_view<&SchedulerOutput::slot_mapping>)
+      .def_property_readonly("logits_indices", &flat_view<&SchedulerOutput::logits_indices>)
+      .def_property_readonly("sampling_seq_indices", &flat_view<&SchedulerOutput::sampling_seq_indices>)
+      .def_property_readonly("block_tables", [](const py::object& self) {
+        const auto& o = self.cast<const SchedulerOutput&>();
+        return view(self, o.block_tables,
+                    {static_cast<py::ssize_t>(o.num_seqs()),
+                     static_cast<py::ssize_t>(o.max_num_blocks_per_seq)});
+      });
+
+  py::class_<SequenceUpdate>(m, "SequenceUpdate")
+      .def_readonly("request_id", &SequenceUpdate::request_id)
+      .def_readonly("token_id", &SequenceUpdate::token_id)
+      .def_readonly("finish_reason", &SequenceUpdate::finish_reason)
+      .def_property_readonly("finished",
+                             [](const SequenceUpdate& u) { return u.finish_reason != FinishReason::kNone; })
+      .def_property_readonly("finish_reason_str",
+                             [](const SequenceUpdate& u) -> py::object {
+                               if (u.finish_reason == FinishReason::kNone) return py::none();
+                               return py::str(finish_reason_str(u.finish_reason));
+                             });
+
+  py::class_<Scheduler>(m, "Scheduler")
+      .def(py::init<const SchedulerConfig&, int32_t, int32_t>(), py::arg("config"),
+           py::arg("num_blocks"), py::arg("block_size"))
+      .def("add_request", &Scheduler::add_request, py::arg("request_id"),
+           py::arg("prompt_token_ids"), py::arg("stop"))
+      .def("schedule", &Scheduler::schedule)
+      .def("update", &Scheduler::update, py::arg("sampled_token_ids"))
+      .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("reason"))
+      .def("abort", &Scheduler::abort, py::arg("request_id"))
+      .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
+      .def_property_readonly("num_waiting", &Scheduler::num_waiting)
+      .def_property_readonly("num_running", &Scheduler::num_running)
+      .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"))
+      .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
+                             py::return_value_policy::reference_internal)
+      .def_property_readonly("config", &Scheduler::config);
+}

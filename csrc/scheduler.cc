@@ -1,0 +1,211 @@
+#include "scheduler.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "errors.h"
+
+namespace pagedserve {
+
+Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size)
+    : config_(config), kv_(num_blocks, block_size) {
+  if (config.max_num_seqs < 1 || config.max_num_batched_tokens < 1 || config.max_model_len < 1) {
+    throw std::invalid_argument(
+        "max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1");
+  }
+}
+
+void Scheduler::add_request(const std::string& request_id,
+                            const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop) {
+  const auto n = static_cast<int64_t>(prompt_token_ids.size());
+  if (n == 0) throw RequestRejectedError("the prompt is empty");
+  if (requests_.count(request_id)) {
+    throw RequestRejectedError("request id '" + request_id + "' is already in use");
+  }
+  if (stop.max_tokens < 1) {
+    throw RequestRejectedError("max_tokens must be at least 1, got " +
+                               std::to_string(stop.max_tokens));
+  }
+  if (n + stop.max_tokens > config_.max_model_len) {
+    throw RequestRejectedError(
+        "this model's maximum context length is " + std::to_string(config_.max_model_len) +
+        " tokens, but " + std::to_string(n) + " prompt tokens + " +
+        std::to_string(stop.max_tokens) + " max_tokens = " + std::to_string(n + stop.max_tokens) +
+        " were requested");
+  }
+  const int32_t need = BlockTable::num_blocks_for(static_cast<int32_t>(n) + stop.max_tokens,
+                                                  kv_.block_size());
+  if (need > kv_.num_blocks()) {
+    throw RequestRejectedError("request needs " + std::to_string(need) +
+                               " KV blocks but the whole cache has " +
+                               std::to_string(kv_.num_blocks()));
+  }
+  auto seq = std::make_shared<Sequence>();
+  seq->request_id = request_id;
+  seq->seq_id = next_seq_id_++;
+  seq->token_ids = prompt_token_ids;
+  seq->num_prompt_tokens = static_cast<int32_t>(n);
+  seq->stop = stop;
+  requests_.emplace(request_id, seq);
+  waiting_.push_back(std::move(seq));
+}
+
+void Scheduler::preempt(const SeqPtr& seq) {
+  kv_.free(seq->seq_id);
+  seq->num_computed_tokens = 0;
+  seq->status = SequenceStatus::kWaiting;
+  ++seq->num_preemptions;
+  ++num_preemptions_;
+  waiting_.push_front(seq);
+}
+
+std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
+  auto out = std::make_shared<SchedulerOutput>();
+  std::vector<std::pair<SeqPtr, int32_t>> scheduled;
+  int32_t budget = config_.max_num_batched_tokens;
+  bool preempted = false;
+
+  // 1. Running sequences, oldest first; preempt from the newest end.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    SeqPtr seq = running_[i];
+    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
+    bool keep = true;
+    while (!kv_.can_append(seq->seq_id, num_new)) {
+      SeqPtr victim = running_.back();
+      running_.pop_back();
+      preempt(victim);
+      out->preempted_request_ids.push_back(victim->request_id);
+      preempted = true;
+      if (victim == seq) {
+        keep = false;
+        break;
+      }
+    }
+    if (!keep) break;
+    kv_.append(seq->seq_id, num_new);
+    scheduled.emplace_back(seq, num_new);
+    budget -= num_new;
+    ++i;
+  }
+
+  // 2. Admit waiting requests (not in a step that had to preempt).
+  while (!preempted && !waiting_.empty() && budget > 0 &&
+         static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+    SeqPtr seq = waiting_.front();
+    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
+    if (!kv_.can_allocate(num_new)) break;
+    waiting_.pop_front();
+    kv_.allocate(seq->seq_id, num_new);
+    seq->status = SequenceStatus::kRunning;
+    running_.push_back(seq);
+    scheduled.emplace_back(seq, num_new);
+    budget -= num_new;
+  }
+
+  build_output(*out, scheduled);
+  last_num_sampling_ = out->logits_indices.size();
+  last_scheduled_ = std::move(scheduled);
+  return out;
+}
+
+void Scheduler::build_output(SchedulerOutput& out,
+                             const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const {
+  int32_t max_blocks = 0;
+  for (const auto& [seq, n] : scheduled) {
+    max_blocks = std::max(max_blocks, kv_.block_table(seq->seq_id).num_blocks());
+  }
+  out.max_num_blocks_per_seq = max_blocks;
+  out.block_tables.assign(scheduled.size() * static_cast<size_t>(max_blocks), -1);
+  out.query_start_loc.push_back(0);
+  for (size_t b = 0; b < scheduled.size(); ++b) {
+    const auto& [seq, n] = scheduled[b];
+    const BlockTable& table = kv_.block_table(seq->seq_id);
+    const int32_t start = seq->num_computed_tokens;
+    const int32_t q0 = out.query_start_loc.back();
+    out.request_ids.push_back(seq->request_id);
+    out.num_scheduled_tokens.push_back(n);
+    out.num_computed_tokens.push_back(start);
+    out.seq_lens.push_back(start + n);
+    out.query_start_loc.push_back(q0 + n);
+    std::copy(table.block_ids().begin(), table.block_ids().end(),
+              out.block_tables.begin() + static_cast<ptrdiff_t>(b * max_blocks));
+    for (int32_t p = start; p < start + n; ++p) {
+      out.input_ids.push_back(seq->token_ids[p]);
+      out.positions.push_back(p);
+      out.slot_mapping.push_back(static_cast<int32_t>(table.slot(p)));
+    }
+    if (start + n == seq->num_tokens()) {  // all known tokens computed: sample the next
+      out.logits_indices.push_back(q0 + n - 1);
+      out.sampling_seq_indices.push_back(static_cast<int32_t>(b));
+    }
+  }
+}
+
+FinishReason Scheduler::check_stop(const Sequence& seq) const {
+  const int32_t last = seq.token_ids.back();
+  const auto& st = seq.stop;
+  if (!st.ignore_eos &&
+      std::find(st.eos_token_ids.begin(), st.eos_token_ids.end(), last) != st.eos_token_ids.end()) {
+    return FinishReason::kStop;
+  }
+  if (std::find(st.stop_token_ids.begin(), st.stop_token_ids.end(), last) != st.stop_token_ids.end()) {
+    return FinishReason::kStop;
+  }
+  if (seq.num_output_tokens() >= st.max_tokens || seq.num_tokens() >= config_.max_model_len) {
+    return FinishReason::kLength;
+  }
+  return FinishReason::kNone;
+}
+
+std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sampled_token_ids) {
+  if (sampled_token_ids.size() != last_num_sampling_) {
+    throw std::invalid_argument("update() got " + std::to_string(sampled_token_ids.size()) +
+                                " sampled tokens, the last schedule() has " +
+                                std::to_string(last_num_sampling_) + " sampling sequences");
+  }
+  std::vector<SequenceUpdate> updates;
+  size_t s = 0;
+  for (const auto& [seq, n] : last_scheduled_) {
+    const bool samples = seq->num_computed_tokens + n == seq->num_tokens();
+    const int32_t token = samples ? sampled_token_ids[s++] : 0;
+    if (seq->status != SequenceStatus::kRunning) continue;  // finished since schedule()
+    seq->num_computed_tokens += n;
+    if (!samples) continue;
+    seq->token_ids.push_back(token);
+    SequenceUpdate u{seq->request_id, token, check_stop(*seq)};
+    if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
+    updates.push_back(std::move(u));
+  }
+  last_scheduled_.clear();
+  last_num_sampling_ = 0;
+  return updates;
+}
+
+void Scheduler::finish(const SeqPtr& seq, FinishReason reason) {
+  kv_.free(seq->seq_id);
+  if (seq->status == SequenceStatus::kRunning) {
+    running_.erase(std::find(running_.begin(), running_.end(), seq));
+  } else if (seq->status == SequenceStatus::kWaiting) {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), seq));
+  }
+  seq->status = SequenceStatus::kFinished;
+  seq->finish_reason = reason;
+  requests_.erase(seq->request_id);
+}
+
+bool Scheduler::finish_request(const std::string& request_id, FinishReason reason) {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) return false;
+  SeqPtr seq = it->second;  // keep alive: finish() erases the map entry
+  finish(seq, reason);
+  return true;
+}
+
+std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id) const {
+  auto it = requests_.find(request_id);
+  if (it == requests_.end()) throw UnknownRequestError("unknown request '" + request_id + "'");
+  const Sequence& seq = *it->second;
+  return {seq.token_ids.begin() + seq.num_prompt_tokens, seq.token_ids.end()};
+}
+
+}  // namespace pagedserve

@@ -1,0 +1,92 @@
+// Scheduler: FCFS continuous batching over a paged KV cache with chunked
+// prefill and preemption by recompute (Orca's iteration-level scheduling,
+// vLLM v1's token-budget scheduler, nano-vllm's decide/commit split).
+//
+// schedule() decides one step and reserves its KV slots; update() commits the
+// sampled tokens. Between them the caller runs the model. Not thread-safe: one
+// engine thread owns it.
+//
+// Policy of schedule():
+//  1. Running sequences, oldest first, each get min(remaining, budget) tokens:
+//     1 for a decode, a chunk of the prompt for an unfinished prefill. If a
+//     sequence cannot get its blocks, the newest running sequence is preempted
+//     (blocks freed, num_computed_tokens = 0, put back at the head of the
+//     waiting queue; generated tokens kept and recomputed on resume), possibly
+//     itself.
+//  2. If nothing was preempted, waiting requests are admitted in FCFS order
+//     while running < max_num_seqs, budget remains and can_allocate() holds for
+//     their first chunk.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "kv_cache_manager.h"
+#include "scheduler_output.h"
+#include "sequence.h"
+
+namespace pagedserve {
+
+struct SchedulerConfig {
+  int32_t max_num_seqs = 64;              // sequences running at once
+  int32_t max_num_batched_tokens = 512;   // tokens per step (the chunk size bound)
+  int32_t max_model_len = 2048;           // prompt + output tokens per sequence
+};
+
+class Scheduler {
+ public:
+  // Throws std::invalid_argument on a bad config (any field < 1).
+  Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size);
+
+  // Queues a request. Throws RequestRejectedError if it can never be served:
+  // empty prompt, duplicate request_id, max_tokens < 1, prompt + max_tokens >
+  // max_model_len, or more blocks than the whole pool.
+  void add_request(const std::string& request_id, const std::vector<int32_t>& prompt_token_ids,
+                   const StopCriteria& stop);
+
+  // Decides the next step (see class comment). Empty output when idle.
+  std::shared_ptr<SchedulerOutput> schedule();
+
+  // Commits the last schedule(): advances num_computed_tokens of every scheduled
+  // sequence, appends sampled_token_ids[i] to the i-th sampling sequence, applies
+  // stop criteria and frees finished sequences. Throws std::invalid_argument if
+  // the count differs from the last output's sampling sequences.
+  std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids);
+
+  // Ends a request in any state and frees its blocks at once. Returns false if
+  // the id is unknown (already finished). reason: kStop (stop string) or kAbort.
+  bool finish_request(const std::string& request_id, FinishReason reason);
+  bool abort(const std::string& request_id) { return finish_request(request_id, FinishReason::kAbort); }
+
+  bool has_unfinished_requests() const { return !requests_.empty(); }
+  int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
+  int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
+  int64_t num_preemptions() const { return num_preemptions_; }
+  // Output token ids so far. Throws UnknownRequestError.
+  std::vector<int32_t> output_token_ids(const std::string& request_id) const;
+  const KVCacheManager& kv_cache_manager() const { return kv_; }
+  const SchedulerConfig& config() const { return config_; }
+
+ private:
+  using SeqPtr = std::shared_ptr<Sequence>;
+  void preempt(const SeqPtr& seq);
+  void finish(const SeqPtr& seq, FinishReason reason);
+  FinishReason check_stop(const Sequence& seq) const;
+  void build_output(SchedulerOutput& out, const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const;
+
+  SchedulerConfig config_;
+  KVCacheManager kv_;
+  std::deque<SeqPtr> waiting_;
+  std::vector<SeqPtr> running_;
+  std::unordered_map<std::string, SeqPtr> requests_;
+  std::vector<std::pair<SeqPtr, int32_t>> last_scheduled_;  // (sequence, num_scheduled_tokens)
+  size_t last_num_sampling_ = 0;
+  int64_t next_seq_id_ = 0;
+  int64_t num_preemptions_ = 0;
+};
+
+}  // namespace pagedserve

@@ -1,0 +1,45 @@
+// Sequence: the scheduler's state of one request (one sampled continuation).
+// Holds data and derived properties only; the Scheduler changes it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace pagedserve {
+
+enum class SequenceStatus { kWaiting, kRunning, kFinished };
+
+// Why a sequence ended. kNone while it runs.
+enum class FinishReason { kNone, kStop, kLength, kAbort };
+
+// "stop", "length", "abort" or "" (kNone), as the OpenAI API spells them.
+const char* finish_reason_str(FinishReason r);
+
+// Stopping rules the core applies in Scheduler::update (stop *strings* are a
+// text matter and are handled in Python, which then calls finish_request).
+struct StopCriteria {
+  int32_t max_tokens = 16;              // output tokens, >= 1
+  bool ignore_eos = false;
+  std::vector<int32_t> eos_token_ids;   // ignored when ignore_eos
+  std::vector<int32_t> stop_token_ids;  // always honoured
+};
+
+struct Sequence {
+  std::string request_id;
+  int64_t seq_id = 0;
+  std::vector<int32_t> token_ids;  // prompt tokens then output tokens
+  int32_t num_prompt_tokens = 0;
+  // Tokens whose K/V are in the paged cache. A decode step computes the one
+  // token after them; a prefill chunk computes several.
+  int32_t num_computed_tokens = 0;
+  StopCriteria stop;
+  SequenceStatus status = SequenceStatus::kWaiting;
+  FinishReason finish_reason = FinishReason::kNone;
+  int32_t num_preemptions = 0;
+
+  int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+};
+
+}  // namespace pagedserve

@@ -1,0 +1,1 @@
+"""References the benchmarks and tests compare against (Hugging Face generate())."""

@@ -1,0 +1,1 @@
+"""The engine: LLMEngine (synchronous step loop) and AsyncLLMEngine (server side)."""

@@ -1,0 +1,135 @@
+"""AsyncLLMEngine: runs an LLMEngine's step loop on one background thread and
+streams each request's outputs to the asyncio task that waits for it.
+
+Every call that touches the engine (add, abort, step) happens on the engine
+thread, in the order the inbox received them; aborts take effect before the
+next step, so a disconnected client's blocks are freed within one step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .outputs import RequestOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    """Server-side wrapper of an LLMEngine.
+
+    Args:
+        engine: the LLMEngine; from now on only the engine thread touches it.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._wakeup = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
+        self._thread.start()
+
+    # ---- called from the event loop ---------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        """Submits a request and yields its RequestOutputs until the finished one.
+
+        Raises:
+            ValueError (RequestRejectedError among them) if the engine refuses
+            the request. Closing or cancelling the iterator early aborts the
+            request and frees its blocks.
+        """
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Asks the engine thread to abort a request (no-op if it already ended)."""
+        self._send(("abort", request_id))
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        """Stops the engine thread; waiting streams get a RuntimeError."""
+        self._stopped = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def _send(self, msg) -> None:
+        self._inbox.put(msg)
+        self._wakeup.set()
+
+    # ---- the engine thread ------------------------------------------------
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg[0] == "add":
+                _, request_id, prompt, params = msg
+                try:
+                    self.engine.add_request(prompt, params, request_id)
+                except Exception as e:  # rejected: hand the error to its waiter
+                    self._deliver_error(request_id, e)
+            else:
+                self.engine.abort_request(msg[1])
+
+    def _deliver_error(self, request_id: str, err: BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put(err)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=0.5)
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                for request_id in list(self.engine.requests):
+                    self.engine.abort_request(request_id)
+                    self._deliver_error(request_id, RuntimeError(f"engine step failed: {e}"))
+                continue
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.put(out)
+        for request_id in list(self.engine.requests):
+            self.engine.abort_request(request_id)
+            self._deliver_error(request_id, RuntimeError("engine shut down"))

@@ -1,0 +1,164 @@
+"""LLMEngine: the synchronous step loop (nano-vllm's LLMEngine, vLLM's EngineCore).
+
+One step = C++ Scheduler.schedule() -> ModelRunner.execute() (one forward pass
+over every scheduled token) -> Sampler -> C++ Scheduler.update() -> detokenize,
+stop strings, RequestOutputs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import torch
+
+from .. import _core
+from ..config import EngineConfig
+from ..kernels import get_backend
+from ..model.attention import register as register_attention
+from ..model.kv_cache import KVCache
+from ..model.loader import load_model
+from ..model.runner import ModelRunner
+from ..model.sampler import Sampler
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer
+from .outputs import RequestOutput
+from .request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the model, the KV store, the C++ scheduler and the requests.
+
+    Not thread-safe: one thread calls add_request / abort_request / step
+    (AsyncLLMEngine serialises the server's calls onto its engine thread).
+
+    Args:
+        config: EngineConfig.
+    Raises:
+        ValueError on a bad config; whatever transformers raises if the model
+        cannot be loaded.
+    """
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
+                            attn_implementation=register_attention(),
+                            skip_tokenizer_init=config.model.skip_tokenizer_init)
+        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model_name = config.model.served_model_name or loaded.name
+        hf = self.model.config
+        self.max_model_len = config.model.max_model_len or hf.max_position_embeddings
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = hf.num_key_value_heads
+        block_size = config.cache.block_size
+        num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory // KVCache.bytes_per_block(
+            hf.num_hidden_layers, block_size, num_kv_heads, head_dim, config.model.torch_dtype))
+        self.kv_cache = KVCache(hf.num_hidden_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                config.model.torch_dtype)
+        self.scheduler = _core.Scheduler(
+            _core.SchedulerConfig(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                                  self.max_model_len),
+            num_blocks, block_size)
+        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(config.attention_backend))
+        self.sampler = Sampler()
+        self.eos_token_ids = self._eos_token_ids()
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
+                    self.kv_cache.nbytes / 2**20, self.max_model_len)
+
+    def _eos_token_ids(self) -> list[int]:
+        ids = set()
+        for src in (self.model.generation_config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(src, int):
+                ids.add(src)
+            elif src:
+                ids.update(src)
+        return sorted(ids)
+
+    # ---- requests -------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Prompt text -> token ids (token-id prompts pass through). Raises ValueError
+        for text without a tokenizer or ids outside the vocabulary."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompts as token ids")
+            return self.tokenizer(prompt).input_ids
+        ids = [int(t) for t in prompt]
+        vocab = self.model.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queues a request; returns its id.
+
+        Raises:
+            ValueError (including pagedserve.errors.RequestRejectedError) if it can
+            never be served: empty prompt, longer than max_model_len with
+            max_tokens, more KV blocks than the pool, bad token ids.
+        """
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        ids = self.tokenize(prompt)
+        stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
+                                  params.stop_token_ids)
+        self.scheduler.add_request(request_id, ids, stop)
+        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+                 if self.tokenizer is not None else None)
+        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
+                                            ids, params, detok, gen)
+        return request_id
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Ends a request in any state and frees its KV blocks at once. Returns its
+        final output (finish_reason "abort"), or None if it is unknown."""
+        self.scheduler.abort(request_id)
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        req.finish("abort")
+        return req.make_output(0)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns an output for each request that sampled."""
+        out = self.scheduler.schedule()
+        if out.empty:
+            return []
+        logits = self.runner.execute(out)
+        rows = [self.requests[out.request_ids[i]] for i in out.sampling_seq_indices]
+        sampled = self.sampler(logits, [r.params for r in rows], [r.generator for r in rows])
+        outputs = []
+        for upd in self.scheduler.update(sampled):
+            req = self.requests[upd.request_id]
+            if req.append_token(upd.token_id):
+                self.scheduler.finish_request(req.request_id, _core.FinishReason.STOP)
+                req.finish("stop")
+            elif upd.finished:
+                req.finish(upd.finish_reason_str)
+            outputs.append(req.make_output(1))
+            if req.finish_reason is not None:
+                del self.requests[req.request_id]
+        return outputs
+
+    # ---- introspection ---------------------------------------------------
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.scheduler.kv_cache_manager.num_free_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions

@@ -1,0 +1,39 @@
+"""Stop strings: find them in the growing output text, cut the text before
+them, and hold back any tail that could still become one (so a streamed client
+never sees part of a stop string)."""
+
+from __future__ import annotations
+
+
+class StopStringMatcher:
+    """Tracks one request's output text against its stop strings.
+
+    Args:
+        stop: the stop strings (non-empty).
+    """
+
+    def __init__(self, stop: list[str]):
+        self.stop = list(stop)
+        self.max_len = max((len(s) for s in self.stop), default=0)
+        self.text = ""
+
+    def append(self, delta: str) -> bool:
+        """Adds text; returns True (and truncates self.text before it) if a stop string appeared."""
+        start = max(0, len(self.text) - self.max_len + 1)
+        self.text += delta
+        if not self.stop:
+            return False
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            return True
+        return False
+
+    def releasable(self) -> int:
+        """Length of the prefix of self.text that can be shown: everything but the
+        longest tail that is a proper prefix of some stop string."""
+        for k in range(min(self.max_len - 1, len(self.text)), 0, -1):
+            tail = self.text[-k:]
+            if any(s.startswith(tail) for s in self.stop):
+                return len(self.text) - k
+        return len(self.text)

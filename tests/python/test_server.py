@@ -1,0 +1,150 @@
+"""The OpenAI-compatible server, as a real uvicorn process on a free loopback
+port, driven by the real `openai` client (and raw httpx where bytes matter)."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 512
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_dir):
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.server", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
+         "--log-level", "warning"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 180
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server died:\n" + proc.stdout.read().decode())
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not start")
+    yield base
+    proc.terminate()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+
+
+def stats(server):
+    return httpx.get(server + "/stats").json()
+
+
+def wait_idle(server, timeout=5.0):
+    """Waits until no request runs or waits; returns the stats."""
+    deadline = time.time() + timeout
+    while True:
+        s = stats(server)
+        if (s["num_running"] == 0 and s["num_waiting"] == 0) or time.time() > deadline:
+            return s
+        time.sleep(0.05)
+
+
+def ask_paris(client, **kw):
+    return client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=40, **kw)
+
+
+def test_models_lists_the_served_model(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_chat_answers_paris_with_usage(client):
+    r = ask_paris(client)
+    assert "Paris" in r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens > 0 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_joined_equals_non_streamed(client):
+    full = ask_paris(client).choices[0].message.content
+    chunks = list(ask_paris(client, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == full
+
+
+def test_completion_stream_joined_equals_non_streamed(client):
+    kw = dict(model=MODEL, prompt="The three primary colors are", temperature=0, max_tokens=30)
+    full = client.completions.create(**kw)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kw))
+    assert streamed == full.choices[0].text and full.usage.completion_tokens == 30
+
+
+def test_sse_bytes_end_with_done(server):
+    with httpx.stream("POST", server + "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "stream": True}) as r:
+        body = b"".join(r.iter_bytes())
+    events = body.split(b"\n\n")
+    assert body.endswith(b"data: [DONE]\n\n")
+    assert all(e.startswith(b"data: ") for e in events if e)
+
+
+@pytest.mark.parametrize("body,status,needle", [
+    (b"{not json", 400, "JSON"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": "no-such-model", "prompt": "hi"}, 404, "no-such-model"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "maximum context length"),
+    ({"model": MODEL, "prompt": list(range(10, 10 + MAX_MODEL_LEN + 1)), "max_tokens": 1}, 400, "context length"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL, "messages": []}, 400, "messages"),
+])
+def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, body, status, needle):
+    path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
+    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(server + path, timeout=60, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert "Paris" in ask_paris(client).choices[0].message.content
+    s = wait_idle(server)
+    assert s["num_free_blocks"] == s["num_kv_blocks"]
+
+
+def test_streaming_client_disconnect_frees_blocks(server):
+    before = wait_idle(server)
+    with httpx.stream("POST", server + "/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
+            "ignore_eos": True, "stream": True}) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few events (blank separators included)
+    assert any(g.startswith("data: ") for g in got)
+    s = wait_idle(server, timeout=3)
+    assert s["num_running"] == 0 and s["num_free_blocks"] == before["num_free_blocks"] == s["num_kv_blocks"]
+
+
+def test_non_streaming_client_timeout_frees_blocks(server):
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server + "/v1/completions", timeout=1.0, json={
+            "model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 480, "ignore_eos": True})
+    # 480 decode steps take far longer than 3 s: idle this soon means it was aborted
+    s = wait_idle(server, timeout=3)
+    assert s["num_running"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"]

@@ -1,0 +1,69 @@
+"""Incremental detokenization and stop strings, on SmolLM2's tokenizer."""
+
+import pytest
+
+from pagedserve.engine.detokenizer import IncrementalDetokenizer
+from pagedserve.engine.stop import StopStringMatcher
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+@pytest.mark.parametrize("text", [
+    " Paris is the capital of France.",
+    "naïve café — 東京タワー and emoji 🎉🙂 done",
+    "  two leading spaces, then\ttabs\nand newlines",
+])
+def test_incremental_equals_full_decode_and_never_splits_utf8(tokenizer, text):
+    prompt = tokenizer("Question: say something.").input_ids
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    pieces = [detok.step(t) for t in ids]
+    pieces.append(detok.flush())
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) == tokenizer.decode(ids)
+    if any(ord(c) > 0x7FF for c in text):  # some character spans several tokens
+        assert "" in pieces[:-1]
+
+
+def test_first_token_keeps_its_leading_space(tokenizer):
+    prompt = tokenizer("The capital of France is").input_ids
+    [paris] = tokenizer(" Paris", add_special_tokens=False).input_ids
+    assert IncrementalDetokenizer(tokenizer, prompt).step(paris) == " Paris"
+
+
+def test_special_tokens_are_skipped(tokenizer):
+    eos = tokenizer.eos_token_id
+    detok = IncrementalDetokenizer(tokenizer, [1, 2, 3])
+    assert detok.step(eos) == "" and detok.flush() == ""
+
+
+def test_stop_string_is_cut_and_its_prefix_held_back():
+    m = StopStringMatcher(["DEFG"])
+    assert not m.append("ABC")
+    assert m.releasable() == 3
+    assert not m.append("D")
+    assert m.releasable() == 3  # "D" could start "DEFG"
+    assert not m.append("E")
+    assert m.releasable() == 3
+    assert not m.append("X")  # "DEX" can no longer become the stop
+    assert m.releasable() == 6
+    assert m.append("DEFGHI")
+    assert m.text == "ABCDEX"
+
+
+def test_stop_string_split_over_pieces_and_earliest_wins():
+    m = StopStringMatcher(["world", "lo w"])
+    for piece in ["hel", "lo", " wo"]:
+        found = m.append(piece)
+    assert found and m.text == "hel"
+
+
+def test_no_stop_strings_release_everything():
+    m = StopStringMatcher([])
+    assert not m.append("anything")
+    assert m.releasable() == len("anything")
