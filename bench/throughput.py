@@ -1,8 +1,10 @@
 """Throughput: sequential HF generate() vs HF static batching vs PagedServe, in one process.
 
 N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
-EOS ignored, float32 (DESIGN's throughput experiment). Prints tokens/s of each
-and the ratios; checks that PagedServe's tokens equal static batching's.
+EOS ignored, float32 (DESIGN's throughput experiment). Each system first runs a
+short untimed warm-up. Prints tokens/s of each and the ratios, and how many
+PagedServe outputs equal static batching's (float32 rounding differs between a
+padded batch and a packed one, so a near-tie can flip a token).
 
     python bench/throughput.py [--num-requests 32] [--prompt-len 64] [--output-len 64]
 """
@@ -36,7 +38,8 @@ def main() -> None:
     n_tokens = args.num_requests * args.output_len
     rows = []
 
-    def timed(name, fn):
+    def timed(name, fn, warmup):
+        warmup()  # first calls pay one-off costs (allocator, kernels' first use): not timed
         t0 = time.perf_counter()
         result = fn()
         dt = time.perf_counter() - t0
@@ -44,14 +47,17 @@ def main() -> None:
         print(f"{name}: {dt:.2f} s", flush=True)
         return result
 
-    sdpa = "sdpa"
-    model.set_attn_implementation(sdpa)
+    few = prompts[:4]
+    model.set_attn_implementation("sdpa")
     if not args.skip_sequential:
-        timed("HF generate(), sequential", lambda: generate_sequential(model, prompts, args.output_len))
-    static = timed("HF generate(), static batch", lambda: generate_static_batch(model, prompts, args.output_len))
+        timed("HF generate(), sequential", lambda: generate_sequential(model, prompts, args.output_len),
+              lambda: generate_sequential(model, few[:1], 4))
+    static = timed("HF generate(), static batch", lambda: generate_static_batch(model, prompts, args.output_len),
+                   lambda: generate_static_batch(model, few, 4))
     model.set_attn_implementation("pagedserve")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    outs = timed("PagedServe", lambda: llm.generate(prompts, params, use_tqdm=False))
+    outs = timed("PagedServe", lambda: llm.generate(prompts, params, use_tqdm=False),
+                 lambda: llm.generate(few, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
     same = sum(o.outputs[0].token_ids == s for o, s in zip(outs, static))
 
     static_tps = next(r[2] for r in rows if "static" in r[0])
