@@ -15,6 +15,7 @@ import argparse
 import time
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
@@ -26,12 +27,14 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--attention-backend", default=None, choices=["cpu", "torch"])
+    ap.add_argument("--no-onednn-linear", action="store_true", help="PagedServe with torch's default GEMMs")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
     args = ap.parse_args()
 
-    llm = LLM(args.model, attention_backend=args.attention_backend)
-    model = llm.engine.model  # the same weights, used through HF's own attention for the baselines
+    llm = LLM(args.model, attention_backend=args.attention_backend, onednn_linear=not args.no_onednn_linear)
+    # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_requests)]
@@ -48,13 +51,11 @@ def main() -> None:
         return result
 
     few = prompts[:4]
-    model.set_attn_implementation("sdpa")
     if not args.skip_sequential:
         timed("HF generate(), sequential", lambda: generate_sequential(model, prompts, args.output_len),
               lambda: generate_sequential(model, few[:1], 4))
     static = timed("HF generate(), static batch", lambda: generate_static_batch(model, prompts, args.output_len),
                    lambda: generate_static_batch(model, few, 4))
-    model.set_attn_implementation("pagedserve")
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     outs = timed("PagedServe", lambda: llm.generate(prompts, params, use_tqdm=False),
                  lambda: llm.generate(few, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
@@ -62,7 +63,8 @@ def main() -> None:
 
     static_tps = next(r[2] for r in rows if "static" in r[0])
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"greedy, float32, {torch.get_num_threads()} threads, backend={llm.engine.runner.backend.__name__}")
+          f"greedy, float32, {torch.get_num_threads()} threads, attention backend "
+          f"{llm.engine.runner.backend.__name__.rsplit('.', 1)[-1]}, oneDNN linear {not args.no_onednn_linear}")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
     print(f"|---|---:|---:|---:|")
     for name, dt, tps in rows:

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "attention_cpu.h"
 #include "block_pool.h"
 #include "block_table.h"
 #include "errors.h"
@@ -25,6 +26,29 @@ py::array view(const py::object& owner, const std::vector<int32_t>& v,
   return py::array(py::dtype::of<int32_t>(), shape, strides, v.data(), owner);
 }
 
+// A TensorArg borrowing a CPU torch tensor's memory (no copy, no torch headers:
+// the tensor's own data_ptr / dtype / shape / stride are read).
+TensorArg tensor_arg(const py::handle& t, const char* name) {
+  if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "stride")) {
+    throw KernelArgumentError(std::string(name) + " must be a torch tensor");
+  }
+  if (py::str(t.attr("device").attr("type")).cast<std::string>() != "cpu") {
+    throw KernelArgumentError(std::string(name) + " must be a CPU tensor");
+  }
+  TensorArg a;
+  a.name = name;
+  const auto dtype = py::str(t.attr("dtype")).cast<std::string>();
+  if (dtype == "torch.float32") a.dtype = DType::kFloat32;
+  else if (dtype == "torch.bfloat16") a.dtype = DType::kBFloat16;
+  else if (dtype == "torch.int32") a.dtype = DType::kInt32;
+  else if (dtype == "torch.int64") a.dtype = DType::kInt64;
+  else throw KernelArgumentError(std::string(name) + " has unsupported dtype " + dtype);
+  a.shape = t.attr("shape").cast<std::vector<int64_t>>();
+  a.strides = t.attr("stride")().cast<std::vector<int64_t>>();
+  a.data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());
+  return a;
+}
+
 template <std::vector<int32_t> SchedulerOutput::*Field>
 py::array flat_view(const py::object& self) {
   const auto& v = self.cast<const SchedulerOutput&>().*Field;
@@ -41,6 +65,37 @@ PYBIND11_MODULE(_core, m) {
   py::register_exception<OutOfBlocksError>(m, "OutOfBlocksError", base.ptr());
   py::register_exception<RequestRejectedError>(m, "RequestRejectedError", PyExc_ValueError);
   py::register_exception<UnknownRequestError>(m, "UnknownRequestError", PyExc_KeyError);
+  py::register_exception<KernelArgumentError>(m, "KernelArgumentError", PyExc_ValueError);
+
+  m.def(
+      "reshape_and_cache",
+      [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping) {
+        auto k = tensor_arg(key, "key"), v = tensor_arg(value, "value");
+        auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
+        auto sm = tensor_arg(slot_mapping, "slot_mapping");
+        py::gil_scoped_release release;
+        reshape_and_cache(k, v, kc, vc, sm);
+      },
+      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] at slot_mapping [T].");
+  m.def(
+      "paged_attention",
+      [](py::handle out, py::handle query, py::handle k_cache, py::handle v_cache, py::handle query_start_loc,
+         py::handle seq_lens, py::handle block_tables, float scale, bool causal, int num_threads) {
+        auto o = tensor_arg(out, "out"), q = tensor_arg(query, "query");
+        auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
+        auto qsl = tensor_arg(query_start_loc, "query_start_loc"), sl = tensor_arg(seq_lens, "seq_lens");
+        auto bt = tensor_arg(block_tables, "block_tables");
+        py::gil_scoped_release release;
+        paged_attention(o, q, kc, vc, qsl, sl, bt, scale, causal, num_threads);
+      },
+      py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start_loc"),
+      py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("causal") = true,
+      py::arg("num_threads") = 1,
+      "out [T, H, D] = causal paged attention of query [T, H, D] (see csrc/attention_cpu.h).");
+  m.def("paged_attention_scratch_bytes", &paged_attention_scratch_bytes, py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+        "Scratch bytes one worker of paged_attention uses, independent of sequence length.");
 
   py::class_<BlockPool>(m, "BlockPool")
       .def(py::init<int32_t>(), py::arg("num_blocks"))

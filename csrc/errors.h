@@ -38,4 +38,10 @@ class UnknownRequestError : public PagedServeError {
   using PagedServeError::PagedServeError;
 };
 
+// A kernel argument with the wrong shape, dtype, layout or an index out of range.
+class KernelArgumentError : public PagedServeError {
+ public:
+  using PagedServeError::PagedServeError;
+};
+
 }  // namespace pagedserve

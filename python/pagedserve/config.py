@@ -20,6 +20,8 @@ class ModelConfig:
             max_position_embeddings.
         served_model_name: name clients send in "model"; None = the model's name.
         skip_tokenizer_init: load no tokenizer (token-id prompts, no text).
+        onednn_linear: run the linear layers through oneDNN on CPU (see
+            pagedserve.model.runner.use_onednn_linear).
     """
 
     model: str | None = None
@@ -27,6 +29,7 @@ class ModelConfig:
     max_model_len: int | None = None
     served_model_name: str | None = None
     skip_tokenizer_init: bool = False
+    onednn_linear: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

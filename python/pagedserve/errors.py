@@ -3,6 +3,7 @@ pybind11 to the classes re-exported here (same names on both sides)."""
 
 from ._core import (  # noqa: F401
     BlockPoolError,
+    KernelArgumentError,
     OutOfBlocksError,
     PagedServeError,
     RequestRejectedError,

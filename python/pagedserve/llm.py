@@ -19,7 +19,7 @@ class LLM:
         dtype: "float32" or "bfloat16".
         block_size, num_kv_blocks, kv_cache_memory: see CacheConfig.
         max_num_seqs, max_num_batched_tokens: see SchedulerConfig.
-        max_model_len, skip_tokenizer_init: see ModelConfig.
+        max_model_len, skip_tokenizer_init, onednn_linear: see ModelConfig.
         attention_backend: see pagedserve.kernels.get_backend.
     """
 
@@ -27,9 +27,9 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, skip_tokenizer_init: bool = False,
-                 attention_backend: str | None = None) -> None:
+                 attention_backend: str | None = None, onednn_linear: bool = True) -> None:
         self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model, dtype, max_model_len, None, skip_tokenizer_init),
+            model=ModelConfig(model, dtype, max_model_len, None, skip_tokenizer_init, onednn_linear),
             cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             attention_backend=attention_backend))

@@ -1,6 +1,6 @@
-"""Greedy outputs of the paged engine equal Hugging Face generate() run one
-prompt at a time, whatever the batch, chunking or preemption; and every KV
-block comes back."""
+"""Greedy outputs of the paged engine (default: C++ CPU attention kernel,
+oneDNN linear layers) equal Hugging Face generate() run one prompt at a time,
+whatever the batch, chunking or preemption; and every KV block comes back."""
 
 import random
 
@@ -85,3 +85,10 @@ def test_smollm2_batched_chunked_preempted_equals_hf(smollm2_dir):
     small = LLM(max_num_batched_tokens=64, num_kv_blocks=24)
     assert run(small, prompts, 12) == want
     assert small.engine.num_preemptions > 0
+
+
+def test_smollm2_cpu_kernel_equals_torch_reference_backend(smollm2_dir):
+    prompts = make_prompts(49152, seed=2)
+    cpu_out = run(LLM(max_num_batched_tokens=64), prompts, 10)
+    torch_out = run(LLM(max_num_batched_tokens=64, attention_backend="torch"), prompts, 10)
+    assert cpu_out == torch_out

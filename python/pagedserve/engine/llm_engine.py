@@ -18,7 +18,7 @@ from ..kernels import get_backend
 from ..model.attention import register as register_attention
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model
-from ..model.runner import ModelRunner
+from ..model.runner import ModelRunner, use_onednn_linear
 from ..model.sampler import Sampler
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
@@ -46,7 +46,9 @@ class LLMEngine:
         loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
                             attn_implementation=register_attention(),
                             skip_tokenizer_init=config.model.skip_tokenizer_init)
-        self.model, self.tokenizer = loaded.model, loaded.tokenizer
+        self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
+        if config.model.onednn_linear:
+            use_onednn_linear(self.model)
         self.model_name = config.model.served_model_name or loaded.name
         hf = self.model.config
         self.max_model_len = config.model.max_model_len or hf.max_position_embeddings

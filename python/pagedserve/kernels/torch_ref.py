@@ -29,17 +29,18 @@ def reshape_and_cache(
 
     Args:
         key, value: [T, Hkv, D], any float dtype (cast to the cache's dtype).
-        k_cache, v_cache: [num_blocks, Hkv, block_size, D] (pagedserve.model.kv_cache layout).
+        k_cache: [num_blocks, Hkv, D, block_size], v_cache: [num_blocks, Hkv, block_size, D]
+            (pagedserve.model.kv_cache layout: keys transposed per block).
         slot_mapping: [T] int32/int64, physical slot = block_id * block_size + offset.
     Raises:
         IndexError (from torch) if a slot is out of range.
     """
-    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
     slots = slot_mapping.long()
     blocks = (slots // block_size)[:, None]
     offsets = (slots % block_size)[:, None]
     heads = torch.arange(hkv)[None, :]
-    k_cache[blocks, heads, offsets] = key.to(k_cache.dtype)
+    k_cache[blocks, heads, :, offsets] = key.to(k_cache.dtype)  # indexed dims first: [T, Hkv, D]
     v_cache[blocks, heads, offsets] = value.to(v_cache.dtype)
 
 
@@ -98,18 +99,19 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
             scale: float) -> torch.Tensor:
     """Online-softmax attention of q [B, Q, H, D] over the group's tiles -> [B, Q, H, D] float32."""
     b, nq, h, d = q.shape
-    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
     g = h // hkv
-    k_rows = k_cache.view(-1, block_size, d)  # [num_blocks * Hkv, block_size, D]
-    v_rows = v_cache.view(-1, block_size, d)
+    k_rows = k_cache.view(-1, d, block_size)  # [num_blocks * Hkv, D, block_size]
+    v_rows = v_cache.view(-1, block_size, d)  # [num_blocks * Hkv, block_size, D]
     # [B*Hkv, G*Q, D]: one batched matmul per tile, no broadcast copies of K/V
     qg = (q.float() * scale).view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * nq, d)
     m = l = acc = None
     for ids, bias in group.tiles:
-        nk = ids.shape[2] * block_size
-        k = k_rows[ids].view(b * hkv, nk, d).float()  # gathered blocks, already head-major
+        nt = ids.shape[2]
+        nk = nt * block_size
+        k = k_rows[ids].view(b * hkv, nt, d, block_size).permute(0, 2, 1, 3).reshape(b * hkv, d, nk).float()
         v = v_rows[ids].view(b * hkv, nk, d).float()
-        s = (torch.bmm(qg, k.transpose(1, 2)).view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
+        s = (torch.bmm(qg, k).view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
         m_tile = s.amax(dim=-1, keepdim=True)
         if m is None:  # first tile: it holds key 0, which every query sees
             m = m_tile
@@ -146,7 +148,8 @@ def paged_attention(
 
     Args:
         query: [T, H, D] float32 or bfloat16.
-        k_cache, v_cache: [num_blocks, Hkv, block_size, D], contiguous.
+        k_cache: [num_blocks, Hkv, D, block_size], v_cache: [num_blocks, Hkv, block_size, D]
+            (pagedserve.model.kv_cache layout), contiguous.
         query_start_loc: [B+1] int32, prefix sums of query lengths (tokens).
         seq_lens: [B] int32, keys visible per sequence (tokens, includes the queries).
         block_tables: [B, max_blocks] int32, physical block ids, -1 padded.
@@ -163,7 +166,7 @@ def paged_attention(
     if h % hkv:
         raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
     if plan is None:
-        plan = make_plan(query_start_loc, seq_lens, block_tables, k_cache.shape[2], hkv, causal)
+        plan = make_plan(query_start_loc, seq_lens, block_tables, v_cache.shape[2], hkv, causal)
     out = torch.empty((t, h, d), dtype=query.dtype)
     for group in plan.groups:
         q = query[group.tokens].view(len(group.rows), group.num_queries, h, d)
@@ -185,13 +188,13 @@ def dense_attention(
     contiguous tensor and calling scaled_dot_product_attention. Memory grows
     with the sequence length: a test and benchmark reference, not a backend."""
     t, h, d = query.shape
-    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
     out = torch.empty_like(query)
     for b in range(seq_lens.numel()):
         s, e, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
         nb = (n + block_size - 1) // block_size
         ids = block_tables[b, :nb].long()
-        k = k_cache[ids].transpose(1, 2).reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
+        k = k_cache[ids].permute(0, 3, 1, 2).reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
         v = v_cache[ids].transpose(1, 2).reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
         q = query[s:e].float()
         q_pos = n - (e - s) + torch.arange(e - s)

@@ -76,7 +76,7 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if hasattr(ctx.backend, "make_plan"):
         if md.plan is None:
             md.plan = ctx.backend.make_plan(md.query_start_loc, md.seq_lens, md.block_tables,
-                                            k_cache.shape[2], k_cache.shape[1])
+                                            v_cache.shape[2], v_cache.shape[1])
         kwargs["plan"] = md.plan
     out = ctx.backend.paged_attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
                                       md.block_tables, scale, **kwargs)

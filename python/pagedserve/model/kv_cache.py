@@ -1,10 +1,15 @@
 """The paged KV store: one tensor per engine, allocated once at start-up.
 
-Layout (the one place it is defined): [num_layers, 2, num_blocks, num_kv_heads,
-block_size, head_dim] (index 0 = K, 1 = V), dtype = model dtype. Slot s of a
-layer is block s // block_size, offset s % block_size. Within a block each KV
-head's block_size x head_dim rows are contiguous, so a kernel reads one head's
-keys of a block as one dense matrix (vLLM's CPU layout does the same).
+Layout (the one place it is defined): one tensor [num_layers, 2, num_blocks,
+num_kv_heads, block_size * head_dim] (index 0 = K, 1 = V), dtype = model dtype.
+Slot s of a layer is block s // block_size, offset s % block_size. Each
+(block, KV head) holds a dense matrix:
+  K: [head_dim, block_size], the block's keys transposed, so a query's scores
+     against a block are head_dim vector FMAs across the block_size keys with
+     no horizontal sums (vLLM's key cache layout serves the same purpose);
+  V: [block_size, head_dim], rows accumulated with vector FMAs across head_dim.
+layer() returns the views every backend takes:
+  k_cache [num_blocks, Hkv, head_dim, block_size], v_cache [num_blocks, Hkv, block_size, head_dim].
 """
 
 from __future__ import annotations
@@ -25,12 +30,14 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.store = torch.zeros(
-            (num_layers, 2, num_blocks, num_kv_heads, block_size, head_dim), dtype=dtype)
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.store = torch.zeros((num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim), dtype=dtype)
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache, v_cache) views of one layer, each [num_blocks, Hkv, block_size, D]."""
-        return self.store[layer_idx, 0], self.store[layer_idx, 1]
+        """(k_cache [num_blocks, Hkv, D, block_size], v_cache [num_blocks, Hkv, block_size, D]) of one layer."""
+        shape = (self.num_blocks, self.num_kv_heads)
+        return (self.store[layer_idx, 0].view(*shape, self.head_dim, self.block_size),
+                self.store[layer_idx, 1].view(*shape, self.block_size, self.head_dim))
 
     @property
     def nbytes(self) -> int:

@@ -8,6 +8,41 @@ import torch
 from .attention import AttentionMetadata, ForwardContext, forward_context
 
 
+class OneDNNLinear(torch.nn.Module):
+    """nn.Linear computed by oneDNN (aten::mkldnn_linear) with its weight kept in
+    oneDNN's blocked layout. x: [..., in_features] dense -> [..., out_features] dense,
+    same dtype as the weight."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("weight", linear.weight.detach().to_mkldnn(), persistent=False)
+        bias = linear.bias.detach().to_mkldnn() if linear.bias is not None else None
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten.mkldnn_linear(x.contiguous().to_mkldnn(), self.weight, self.bias)
+        return y.to_dense()
+
+
+def use_onednn_linear(model: torch.nn.Module) -> torch.nn.Module:
+    """Swaps the model's nn.Linear layers for OneDNNLinear, in place.
+
+    On CPU, oneDNN's GEMM with pre-packed weights beats the default BLAS call at
+    the small row counts of decode steps (measured on a 2-core AVX-512 machine:
+    the 49152 x 576 lm_head at 32 rows, 25 ms -> 14 ms; a whole 32-sequence
+    SmolLM2 decode, about 20% less time). Same dtype and math, another summation
+    order. Returns the model; a no-op where oneDNN is unavailable.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return model
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(parent, name, OneDNNLinear(child))
+    return model
+
+
 class ModelRunner:
     """Executes SchedulerOutputs on a Hugging Face causal LM.
 

@@ -36,7 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs", type=int, default=64, help="sequences per step")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048,
                    help="tokens per step; longer prompts are prefilled in chunks")
-    p.add_argument("--attention-backend", default=None, help="attention kernel backend (default: torch)")
+    p.add_argument("--attention-backend", default=None, choices=["cpu", "torch"],
+                   help="attention kernel: cpu (C++, default) or torch (the PyTorch reference)")
+    p.add_argument("--no-onednn-linear", dest="onednn_linear", action="store_false",
+                   help="use torch's default GEMM for linear layers instead of oneDNN")
     p.add_argument("--log-level", default="info")
     return p
 
@@ -51,7 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     from .api import create_app
 
     config = EngineConfig(
-        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name),
+        model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name,
+                          onednn_linear=args.onednn_linear),
         cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         attention_backend=args.attention_backend)
