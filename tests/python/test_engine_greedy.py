@@ -92,3 +92,38 @@ def test_smollm2_cpu_kernel_equals_torch_reference_backend(smollm2_dir):
     cpu_out = run(LLM(max_num_batched_tokens=64), prompts, 10)
     torch_out = run(LLM(max_num_batched_tokens=64, attention_backend="torch"), prompts, 10)
     assert cpu_out == torch_out
+
+
+def test_the_model_reads_its_kv_only_from_the_paged_store(tiny_llama_dir):
+    """Wiping the paged store in the middle of a generation changes what follows:
+    decode steps attend over our blocks, not over any cache of Hugging Face's."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(10, 60))
+
+    def generate(wipe_after_steps=None):
+        eng = LLM(tiny_llama_dir, skip_tokenizer_init=True).engine
+        eng.add_request(prompt, params, "r")
+        tokens, steps = [], 0
+        while eng.has_unfinished_requests():
+            tokens += [t for o in eng.step() for t in o.outputs[0].delta_token_ids]
+            steps += 1
+            if steps == wipe_after_steps:
+                assert eng.kv_cache.store.abs().sum() > 0  # the prompt's K/V are in our store
+                eng.kv_cache.store.zero_()
+        return tokens
+
+    assert generate() == generate()
+    assert generate(wipe_after_steps=3) != generate()
+
+
+def test_bfloat16_engine_runs_on_both_backends(tiny_llama_dir, tiny_reference):
+    prompts, want = tiny_reference
+    outs = {b: run(LLM(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=64, skip_tokenizer_init=True,
+                       attention_backend=b), prompts, 24) for b in ("cpu", "torch")}
+    assert all(len(o) == 24 for o in outs["cpu"])
+    # bfloat16 rounds differently from the float32 reference: most, not all, tokens
+    # agree (seen: 152 of 192; a broken path would agree on ~1 in 512); the two
+    # backends see the same bfloat16 inputs and agree far more (seen: 192 of 192)
+    total = 24 * len(prompts)
+    assert sum(a == b for x, y in zip(outs["cpu"], want) for a, b in zip(x, y)) >= 0.5 * total
+    assert sum(a == b for x, y in zip(outs["cpu"], outs["torch"]) for a, b in zip(x, y)) >= 0.9 * total

@@ -143,6 +143,19 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
                 engine.abort(request_id)
             await gen.aclose()
 
+    async def outputs_from(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+        """Yields `first`, then gen's outputs through the finished one. Closing or
+        cancelling it (a client that went away) closes gen, which aborts the request."""
+        try:
+            out = first
+            while True:
+                yield out
+                if out.finished:
+                    return
+                out = await gen.__anext__()
+        finally:
+            await gen.aclose()
+
     def usage(out: RequestOutput) -> UsageInfo:
         n_out = sum(len(c.token_ids) for c in out.outputs)
         return UsageInfo(prompt_tokens=len(out.prompt_token_ids), completion_tokens=n_out,
@@ -188,19 +201,12 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         first = await first_output(gen)
 
         async def stream():
-            try:
-                out = first
-                while True:
-                    c = out.outputs[0]
-                    if c.delta_text or c.finish_reason:
-                        yield sse(CompletionResponse(id=request_id, model=model_name, choices=[
-                            CompletionChoice(index=0, text=c.delta_text, finish_reason=c.finish_reason)]))
-                    if out.finished:
-                        break
-                    out = await gen.__anext__()
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()
+            async for out in outputs_from(first, gen):
+                c = out.outputs[0]
+                if c.delta_text or c.finish_reason:
+                    yield sse(CompletionResponse(id=request_id, model=model_name, choices=[
+                        CompletionChoice(index=0, text=c.delta_text, finish_reason=c.finish_reason)]))
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
@@ -229,20 +235,14 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
                 ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)]))
 
         async def stream():
-            try:
-                yield chunk({"role": "assistant", "content": ""})
-                out = first
-                while True:
-                    c = out.outputs[0]
-                    if c.delta_text:
-                        yield chunk({"content": c.delta_text})
-                    if out.finished:
-                        yield chunk({}, c.finish_reason)
-                        break
-                    out = await gen.__anext__()
-                yield "data: [DONE]\n\n"
-            finally:
-                await gen.aclose()
+            yield chunk({"role": "assistant", "content": ""})
+            async for out in outputs_from(first, gen):
+                c = out.outputs[0]
+                if c.delta_text:
+                    yield chunk({"content": c.delta_text})
+                if out.finished:
+                    yield chunk({}, c.finish_reason)
+            yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
