@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -330,6 +331,9 @@ Geometry check_caches(const TensorArg& k_cache, const TensorArg& v_cache) {
   g.num_kv_heads = k_cache.size(1);
   g.head_dim = k_cache.size(2);
   g.block_size = k_cache.size(3);
+  if (g.num_blocks < 1 || g.num_kv_heads < 1 || g.head_dim < 1 || g.block_size < 1) {
+    throw KernelArgumentError("k_cache must have non-zero num_blocks, num_kv_heads, head_dim and block_size");
+  }
   return g;
 }
 
@@ -492,7 +496,8 @@ void paged_attention(const TensorArg& out, const TensorArg& query, const TensorA
   }
   const int64_t group = g.group(), d = g.head_dim;
   const size_t scratch = Kernel<float>::scratch_floats(group, d, g.block_size);
-  ThreadPool& pool = ThreadPool::get(num_threads);
+  std::shared_ptr<ThreadPool> pool_ref = ThreadPool::get(num_threads);
+  ThreadPool& pool = *pool_ref;
   std::vector<std::vector<float>> scratch_per_worker(pool.num_threads(), std::vector<float>(scratch));
   // Split results: per item G rows of (acc[d], m, l).
   std::vector<float> partial_acc;

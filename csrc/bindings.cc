@@ -104,7 +104,16 @@ PYBIND11_MODULE(_core, m) {
       .def("allocate", &BlockPool::allocate)
       .def("incref", &BlockPool::incref, py::arg("block_id"))
       .def("free", &BlockPool::free, py::arg("block_id"))
-      .def("refcount", &BlockPool::refcount, py::arg("block_id"));
+      .def("refcount", &BlockPool::refcount, py::arg("block_id"))
+      .def("acquire", &BlockPool::acquire, py::arg("block_id"))
+      .def("mark_cached", &BlockPool::mark_cached, py::arg("block_id"))
+      .def_property_readonly("num_evictable_blocks", &BlockPool::num_evictable_blocks)
+      .def_property_readonly("num_evictions", &BlockPool::num_evictions);
+
+  py::class_<PrefixMatch>(m, "PrefixMatch")
+      .def(py::init<>())
+      .def_readonly("block_ids", &PrefixMatch::block_ids)
+      .def("num_tokens", &PrefixMatch::num_tokens, py::arg("block_size"));
 
   py::class_<BlockTable>(m, "BlockTable")
       .def_property_readonly("block_size", &BlockTable::block_size)
@@ -113,13 +122,21 @@ PYBIND11_MODULE(_core, m) {
       .def("slot", &BlockTable::slot, py::arg("position"));
 
   py::class_<KVCacheManager>(m, "KVCacheManager")
-      .def(py::init<int32_t, int32_t>(), py::arg("num_blocks"), py::arg("block_size"))
+      .def(py::init<int32_t, int32_t, bool>(), py::arg("num_blocks"), py::arg("block_size"),
+           py::arg("enable_prefix_caching") = false)
+      .def_property_readonly("num_evictable_blocks", &KVCacheManager::num_evictable_blocks)
+      .def_property_readonly("num_evictions", &KVCacheManager::num_evictions)
+      .def("match_prefix", &KVCacheManager::match_prefix, py::arg("tokens"), py::arg("cache_salt") = "")
+      .def("cache_full_blocks", &KVCacheManager::cache_full_blocks, py::arg("seq_id"), py::arg("tokens"),
+           py::arg("num_computed_tokens"))
       .def_property_readonly("block_size", &KVCacheManager::block_size)
       .def_property_readonly("num_blocks", &KVCacheManager::num_blocks)
       .def_property_readonly("num_free_blocks", &KVCacheManager::num_free_blocks)
       .def_property_readonly("usage", &KVCacheManager::usage)
-      .def("can_allocate", &KVCacheManager::can_allocate, py::arg("num_tokens"))
-      .def("allocate", &KVCacheManager::allocate, py::arg("seq_id"), py::arg("num_tokens"))
+      .def("can_allocate", &KVCacheManager::can_allocate, py::arg("num_tokens"),
+           py::arg("match") = PrefixMatch{})
+      .def("allocate", &KVCacheManager::allocate, py::arg("seq_id"), py::arg("num_tokens"),
+           py::arg("match") = PrefixMatch{}, py::arg("cache_salt") = "")
       .def("can_append", &KVCacheManager::can_append, py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("append", &KVCacheManager::append, py::arg("seq_id"), py::arg("num_new_tokens"))
       .def("free", &KVCacheManager::free, py::arg("seq_id"))
@@ -148,14 +165,20 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("stop_token_ids", &StopCriteria::stop_token_ids);
 
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
-      .def(py::init([](int32_t seqs, int32_t tokens, int32_t len) {
-             return SchedulerConfig{seqs, tokens, len};
+      .def(py::init([](int32_t seqs, int32_t tokens, int32_t len, bool prefix) {
+             return SchedulerConfig{seqs, tokens, len, prefix};
            }),
            py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
-           py::arg("max_model_len") = 2048)
+           py::arg("max_model_len") = 2048, py::arg("enable_prefix_caching") = false)
+      .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
       .def_readwrite("max_model_len", &SchedulerConfig::max_model_len);
+
+  py::class_<PrefixCacheStats>(m, "PrefixCacheStats")
+      .def_readonly("queries", &PrefixCacheStats::queries)
+      .def_readonly("hits", &PrefixCacheStats::hits)
+      .def_readonly("evictions", &PrefixCacheStats::evictions);
 
   py::class_<SchedulerOutput, std::shared_ptr<SchedulerOutput>>(m, "SchedulerOutput")
       .def_readonly("request_ids", &SchedulerOutput::request_ids)
@@ -184,6 +207,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("request_id", &SequenceUpdate::request_id)
       .def_readonly("token_id", &SequenceUpdate::token_id)
       .def_readonly("finish_reason", &SequenceUpdate::finish_reason)
+      .def_readonly("num_cached_tokens", &SequenceUpdate::num_cached_tokens)
       .def_property_readonly("finished",
                              [](const SequenceUpdate& u) { return u.finish_reason != FinishReason::kNone; })
       .def_property_readonly("finish_reason_str",
@@ -196,7 +220,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<const SchedulerConfig&, int32_t, int32_t>(), py::arg("config"),
            py::arg("num_blocks"), py::arg("block_size"))
       .def("add_request", &Scheduler::add_request, py::arg("request_id"),
-           py::arg("prompt_token_ids"), py::arg("stop"))
+           py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "")
+      .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)
       .def("schedule", &Scheduler::schedule)
       .def("update", &Scheduler::update, py::arg("sampled_token_ids"))
       .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("reason"))

@@ -6,32 +6,60 @@
 
 namespace pagedserve {
 
-KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size)
-    : block_size_(block_size), pool_(num_blocks) {
+KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching)
+    : block_size_(block_size),
+      enable_prefix_caching_(enable_prefix_caching),
+      pool_(num_blocks),
+      prefix_cache_(num_blocks) {
   if (block_size <= 0) {
     throw BlockPoolError("block_size must be > 0, got " + std::to_string(block_size));
   }
+  pool_.set_evict_callback([this](int32_t block) { prefix_cache_.erase_block(block); });
 }
 
 double KVCacheManager::usage() const {
   return 1.0 - static_cast<double>(num_free_blocks()) / num_blocks();
 }
 
-bool KVCacheManager::can_allocate(int32_t num_tokens) const {
-  return BlockTable::num_blocks_for(num_tokens, block_size_) <= num_free_blocks();
+PrefixMatch KVCacheManager::match_prefix(const std::vector<int32_t>& tokens, const std::string& cache_salt) const {
+  PrefixMatch m;
+  if (!enable_prefix_caching_ || tokens.empty()) return m;
+  const int32_t max_blocks = (static_cast<int32_t>(tokens.size()) - 1) / block_size_;
+  for (int32_t i = 0; i < max_blocks; ++i) {
+    const int32_t* blk = tokens.data() + static_cast<ptrdiff_t>(i) * block_size_;
+    const BlockHash* parent = m.hashes.empty() ? nullptr : &m.hashes.back();
+    BlockHash h = prefix_cache_.hash(parent, blk, block_size_, cache_salt);
+    const int32_t id = prefix_cache_.lookup(h, parent, blk, block_size_, cache_salt);
+    if (id < 0) break;
+    m.block_ids.push_back(id);
+    m.hashes.push_back(h);
+  }
+  return m;
 }
 
-void KVCacheManager::allocate(int64_t seq_id, int32_t num_tokens) {
+bool KVCacheManager::can_allocate(int32_t num_tokens, const PrefixMatch& match) const {
+  int32_t revived = 0;  // cached blocks sitting in the evictable list: reviving them uses them up
+  for (int32_t b : match.block_ids) revived += pool_.is_evictable(b) ? 1 : 0;
+  const int32_t fresh = BlockTable::num_blocks_for(num_tokens, block_size_) - static_cast<int32_t>(match.block_ids.size());
+  return fresh + revived <= num_free_blocks();
+}
+
+void KVCacheManager::allocate(int64_t seq_id, int32_t num_tokens, const PrefixMatch& match,
+                              const std::string& cache_salt) {
   if (has_sequence(seq_id)) {
     throw RequestRejectedError("sequence " + std::to_string(seq_id) + " already has blocks");
   }
-  if (num_tokens < 0) throw OutOfBlocksError("negative num_tokens");
-  if (!can_allocate(num_tokens)) {
+  if (num_tokens < match.num_tokens(block_size_)) throw OutOfBlocksError("num_tokens shorter than the cached prefix");
+  if (!can_allocate(num_tokens, match)) {
     throw OutOfBlocksError("cannot allocate " + std::to_string(num_tokens) + " tokens: only " +
                            std::to_string(num_free_blocks()) + " free blocks");
   }
-  Entry e{BlockTable(block_size_), num_tokens};
-  for (int32_t i = 0; i < BlockTable::num_blocks_for(num_tokens, block_size_); ++i) {
+  Entry e{BlockTable(block_size_), num_tokens, match.hashes, cache_salt};
+  for (int32_t b : match.block_ids) {  // revive first: allocate() below must not evict them
+    pool_.acquire(b);
+    e.table.append_block(b);
+  }
+  while (e.table.num_blocks() < BlockTable::num_blocks_for(num_tokens, block_size_)) {
     e.table.append_block(pool_.allocate());
   }
   tables_.emplace(seq_id, std::move(e));
@@ -66,10 +94,30 @@ void KVCacheManager::append(int64_t seq_id, int32_t num_new_tokens) {
   e.num_tokens += num_new_tokens;
 }
 
+void KVCacheManager::cache_full_blocks(int64_t seq_id, const std::vector<int32_t>& tokens,
+                                       int32_t num_computed_tokens) {
+  if (!enable_prefix_caching_) return;
+  auto it = tables_.find(seq_id);
+  if (it == tables_.end()) return;
+  Entry& e = it->second;
+  const int32_t full = std::min<int32_t>(num_computed_tokens, static_cast<int32_t>(tokens.size())) / block_size_;
+  for (int32_t i = static_cast<int32_t>(e.hashes.size()); i < full; ++i) {
+    const int32_t* blk = tokens.data() + static_cast<ptrdiff_t>(i) * block_size_;
+    const BlockHash* parent = e.hashes.empty() ? nullptr : &e.hashes.back();
+    BlockHash h = prefix_cache_.hash(parent, blk, block_size_, e.cache_salt);
+    const int32_t block = e.table.block_ids()[i];
+    // If another sequence already cached this content, the hash stays with its
+    // block and ours stays private (freed normally).
+    if (prefix_cache_.insert(block, h, parent, blk, block_size_, e.cache_salt)) pool_.mark_cached(block);
+    e.hashes.push_back(h);
+  }
+}
+
 bool KVCacheManager::free(int64_t seq_id) {
   auto it = tables_.find(seq_id);
   if (it == tables_.end()) return false;
-  // Free in reverse so the tail blocks (least likely shared) return first.
+  // Free in reverse so a prompt's tail blocks become the least recently used
+  // and its head blocks (most shared) are evicted last.
   const auto& ids = it->second.table.block_ids();
   for (auto b = ids.rbegin(); b != ids.rend(); ++b) pool_.free(*b);
   tables_.erase(it);

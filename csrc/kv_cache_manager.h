@@ -1,38 +1,60 @@
-// KVCacheManager: the allocator API the scheduler uses. It owns the BlockPool
-// and one BlockTable per sequence, and offers two-phase calls so nothing fails
-// half-way (nano-vllm's BlockManager, vLLM's KVCacheManager):
-//   can_allocate(num_tokens)          -> allocate(seq_id, num_tokens)
-//   can_append(seq_id, num_new_tokens) -> append(seq_id, num_new_tokens)
-// A sequence's table always covers at least its reserved token slots
-// (num_tokens(seq_id)); blocks are handed out lazily, one block_size at a time.
+// KVCacheManager: the allocator API the scheduler uses. It owns the BlockPool,
+// the PrefixCache and one BlockTable per sequence, and offers two-phase calls
+// so nothing fails half-way (nano-vllm's BlockManager, vLLM's KVCacheManager):
+//   match_prefix(tokens, salt)          -> can_allocate(n, match) -> allocate(seq_id, n, match)
+//   can_append(seq_id, num_new_tokens)  -> append(seq_id, num_new_tokens)
+//   cache_full_blocks(seq_id, tokens, num_computed_tokens)   (commit step)
+// A sequence's table always covers its reserved token slots (num_tokens(seq_id));
+// blocks are handed out lazily, one block_size at a time.
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "block_pool.h"
 #include "block_table.h"
+#include "prefix_cache.h"
 
 namespace pagedserve {
+
+// The longest cached prefix of full blocks of a token sequence.
+struct PrefixMatch {
+  std::vector<int32_t> block_ids;  // cached blocks, in order (not yet acquired)
+  std::vector<BlockHash> hashes;   // their chained hashes
+  int32_t num_tokens(int32_t block_size) const { return static_cast<int32_t>(block_ids.size()) * block_size; }
+};
 
 class KVCacheManager {
  public:
   // num_blocks > 0; block_size in {16, 32} for the model path (any value > 0 is
   // accepted here so the allocator can be studied on its own).
-  KVCacheManager(int32_t num_blocks, int32_t block_size);
+  KVCacheManager(int32_t num_blocks, int32_t block_size, bool enable_prefix_caching = false);
 
   int32_t block_size() const { return block_size_; }
   int32_t num_blocks() const { return pool_.num_blocks(); }
+  // Blocks available to allocate: truly free + evictable cached ones.
   int32_t num_free_blocks() const { return pool_.num_free_blocks(); }
-  // Fraction of blocks in use, in [0, 1].
+  int32_t num_evictable_blocks() const { return pool_.num_evictable_blocks(); }
+  int64_t num_evictions() const { return pool_.num_evictions(); }
+  bool prefix_caching_enabled() const { return enable_prefix_caching_; }
+  // Fraction of blocks held by sequences, in [0, 1].
   double usage() const;
 
-  // True if a new sequence of num_tokens tokens can get its blocks now.
-  bool can_allocate(int32_t num_tokens) const;
-  // Creates seq_id's block table covering num_tokens slots.
-  // Throws RequestRejectedError if seq_id already has a table, OutOfBlocksError
-  // if can_allocate(num_tokens) is false.
-  void allocate(int64_t seq_id, int32_t num_tokens);
+  // Longest prefix of full blocks of `tokens` whose K/V are cached under
+  // `cache_salt`, leaving at least one token to compute (so the sequence gets
+  // logits). Empty when prefix caching is off.
+  PrefixMatch match_prefix(const std::vector<int32_t>& tokens, const std::string& cache_salt) const;
+
+  // True if a new sequence of num_tokens tokens, of which the match's blocks are
+  // cached, can get its blocks now (reviving an evictable block uses it up).
+  bool can_allocate(int32_t num_tokens, const PrefixMatch& match = {}) const;
+  // Creates seq_id's block table covering num_tokens slots: the match's blocks
+  // (shared, refcount +1) then new ones. Throws RequestRejectedError if seq_id
+  // already has a table, OutOfBlocksError if can_allocate() is false.
+  void allocate(int64_t seq_id, int32_t num_tokens, const PrefixMatch& match = {},
+                const std::string& cache_salt = "");
 
   // True if seq_id can reserve num_new_tokens more slots now.
   // Throws UnknownRequestError for an unknown seq_id.
@@ -40,6 +62,10 @@ class KVCacheManager {
   // Reserves num_new_tokens more slots, taking new blocks as needed.
   // Throws UnknownRequestError / OutOfBlocksError.
   void append(int64_t seq_id, int32_t num_new_tokens);
+
+  // Registers seq_id's blocks that became full with computed K/V (the first
+  // num_computed_tokens of `tokens`) in the prefix cache. No-op when off.
+  void cache_full_blocks(int64_t seq_id, const std::vector<int32_t>& tokens, int32_t num_computed_tokens);
 
   // Gives back every block of seq_id (refcount -1 each). Unknown ids are a no-op
   // and return false, so abort paths can call it unconditionally.
@@ -50,17 +76,22 @@ class KVCacheManager {
   const BlockTable& block_table(int64_t seq_id) const;
   int32_t num_tokens(int64_t seq_id) const;
   const BlockPool& block_pool() const { return pool_; }
+  PrefixCache& prefix_cache() { return prefix_cache_; }
 
  private:
   struct Entry {
     BlockTable table;
     int32_t num_tokens;
+    std::vector<BlockHash> hashes;  // chained hashes of the leading full blocks known so far
+    std::string cache_salt;
   };
   int32_t blocks_needed(const Entry& e, int32_t num_new_tokens) const;
   const Entry& entry(int64_t seq_id) const;
 
   int32_t block_size_;
+  bool enable_prefix_caching_;
   BlockPool pool_;
+  PrefixCache prefix_cache_;
   std::unordered_map<int64_t, Entry> tables_;
 };
 

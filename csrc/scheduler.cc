@@ -8,7 +8,7 @@
 namespace pagedserve {
 
 Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size)
-    : config_(config), kv_(num_blocks, block_size) {
+    : config_(config), kv_(num_blocks, block_size, config.enable_prefix_caching) {
   if (config.max_num_seqs < 1 || config.max_num_batched_tokens < 1 || config.max_model_len < 1) {
     throw std::invalid_argument(
         "max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1");
@@ -16,7 +16,8 @@ Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t 
 }
 
 void Scheduler::add_request(const std::string& request_id,
-                            const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop) {
+                            const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop,
+                            const std::string& cache_salt) {
   const auto n = static_cast<int64_t>(prompt_token_ids.size());
   if (n == 0) throw RequestRejectedError("the prompt is empty");
   if (requests_.count(request_id)) {
@@ -46,6 +47,7 @@ void Scheduler::add_request(const std::string& request_id,
   seq->token_ids = prompt_token_ids;
   seq->num_prompt_tokens = static_cast<int32_t>(n);
   seq->stop = stop;
+  seq->cache_salt = cache_salt;
   requests_.emplace(request_id, seq);
   waiting_.push_back(std::move(seq));
 }
@@ -92,10 +94,18 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   while (!preempted && !waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     SeqPtr seq = waiting_.front();
-    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
-    if (!kv_.can_allocate(num_new)) break;
+    const PrefixMatch match = kv_.match_prefix(seq->token_ids, seq->cache_salt);
+    const int32_t num_cached = match.num_tokens(kv_.block_size());
+    const int32_t num_new = std::min(seq->num_tokens() - num_cached, budget);
+    if (!kv_.can_allocate(num_cached + num_new, match)) break;
     waiting_.pop_front();
-    kv_.allocate(seq->seq_id, num_new);
+    kv_.allocate(seq->seq_id, num_cached + num_new, match, seq->cache_salt);
+    seq->num_computed_tokens = num_cached;
+    if (seq->num_cached_tokens < 0) seq->num_cached_tokens = num_cached;
+    if (kv_.prefix_caching_enabled()) {
+      prefix_queries_ += seq->num_tokens();
+      prefix_hits_ += num_cached;
+    }
     seq->status = SequenceStatus::kRunning;
     running_.push_back(seq);
     scheduled.emplace_back(seq, num_new);
@@ -170,9 +180,10 @@ std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sample
     const int32_t token = samples ? sampled_token_ids[s++] : 0;
     if (seq->status != SequenceStatus::kRunning) continue;  // finished since schedule()
     seq->num_computed_tokens += n;
+    kv_.cache_full_blocks(seq->seq_id, seq->token_ids, seq->num_computed_tokens);
     if (!samples) continue;
     seq->token_ids.push_back(token);
-    SequenceUpdate u{seq->request_id, token, check_stop(*seq)};
+    SequenceUpdate u{seq->request_id, token, check_stop(*seq), seq->num_cached_tokens};
     if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
     updates.push_back(std::move(u));
   }

@@ -15,7 +15,10 @@
 //     itself.
 //  2. If nothing was preempted, waiting requests are admitted in FCFS order
 //     while running < max_num_seqs, budget remains and can_allocate() holds for
-//     their first chunk.
+//     their first chunk. With prefix caching, admission first matches the
+//     longest cached prefix of full blocks; those tokens are not computed again
+//     (num_computed_tokens starts after them).
+// update() registers blocks that became full in the prefix cache.
 #pragma once
 
 #include <cstdint>
@@ -35,6 +38,14 @@ struct SchedulerConfig {
   int32_t max_num_seqs = 64;              // sequences running at once
   int32_t max_num_batched_tokens = 512;   // tokens per step (the chunk size bound)
   int32_t max_model_len = 2048;           // prompt + output tokens per sequence
+  bool enable_prefix_caching = false;
+};
+
+// Prefix-cache counters (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
+struct PrefixCacheStats {
+  int64_t queries = 0;    // tokens looked up at admission
+  int64_t hits = 0;       // of those, tokens found cached (not computed)
+  int64_t evictions = 0;  // cached blocks evicted to make room
 };
 
 class Scheduler {
@@ -45,8 +56,9 @@ class Scheduler {
   // Queues a request. Throws RequestRejectedError if it can never be served:
   // empty prompt, duplicate request_id, max_tokens < 1, prompt + max_tokens >
   // max_model_len, or more blocks than the whole pool.
+  // cache_salt: requests with different salts never share cached blocks.
   void add_request(const std::string& request_id, const std::vector<int32_t>& prompt_token_ids,
-                   const StopCriteria& stop);
+                   const StopCriteria& stop, const std::string& cache_salt = "");
 
   // Decides the next step (see class comment). Empty output when idle.
   std::shared_ptr<SchedulerOutput> schedule();
@@ -66,6 +78,9 @@ class Scheduler {
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
+  PrefixCacheStats prefix_cache_stats() const {
+    return {prefix_queries_, prefix_hits_, kv_.num_evictions()};
+  }
   // Output token ids so far. Throws UnknownRequestError.
   std::vector<int32_t> output_token_ids(const std::string& request_id) const;
   const KVCacheManager& kv_cache_manager() const { return kv_; }
@@ -87,6 +102,7 @@ class Scheduler {
   size_t last_num_sampling_ = 0;
   int64_t next_seq_id_ = 0;
   int64_t num_preemptions_ = 0;
+  int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };
 
 }  // namespace pagedserve

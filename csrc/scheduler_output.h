@@ -37,6 +37,7 @@ struct SequenceUpdate {
   std::string request_id;
   int32_t token_id = 0;
   FinishReason finish_reason = FinishReason::kNone;  // kNone: still running
+  int32_t num_cached_tokens = 0;  // prompt tokens served from the prefix cache
 };
 
 }  // namespace pagedserve

@@ -33,6 +33,9 @@ struct Sequence {
   // Tokens whose K/V are in the paged cache. A decode step computes the one
   // token after them; a prefill chunk computes several.
   int32_t num_computed_tokens = 0;
+  // Prompt tokens served from the prefix cache at first admission (usage report).
+  int32_t num_cached_tokens = -1;  // -1: not admitted yet
+  std::string cache_salt;          // extra key of the prefix-cache hashes
   StopCriteria stop;
   SequenceStatus status = SequenceStatus::kWaiting;
   FinishReason finish_reason = FinishReason::kNone;

@@ -1,7 +1,5 @@
 #include "thread_pool.h"
 
-#include <memory>
-
 namespace pagedserve {
 
 ThreadPool::ThreadPool(int num_threads) {
@@ -48,6 +46,7 @@ void ThreadPool::worker_loop(int worker_id) {
 
 void ThreadPool::run(int64_t num_items, const std::function<void(int64_t, int)>& fn) {
   if (num_items <= 0) return;
+  std::lock_guard<std::mutex> serial(run_mu_);
   if (workers_.empty() || num_items == 1) {
     for (int64_t i = 0; i < num_items; ++i) fn(i, 0);
     return;
@@ -69,16 +68,13 @@ void ThreadPool::run(int64_t num_items, const std::function<void(int64_t, int)>&
   if (error_) std::rethrow_exception(error_);
 }
 
-ThreadPool& ThreadPool::get(int num_threads) {
+std::shared_ptr<ThreadPool> ThreadPool::get(int num_threads) {
   static std::mutex mu;
-  static std::unique_ptr<ThreadPool> pool;
+  static std::shared_ptr<ThreadPool> pool;
   std::lock_guard<std::mutex> lock(mu);
   if (num_threads < 1) num_threads = 1;
-  if (!pool || pool->num_threads() != num_threads) {
-    pool.reset();
-    pool = std::make_unique<ThreadPool>(num_threads);
-  }
-  return *pool;
+  if (!pool || pool->num_threads() != num_threads) pool = std::make_shared<ThreadPool>(num_threads);
+  return pool;
 }
 
 }  // namespace pagedserve

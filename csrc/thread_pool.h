@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -24,16 +25,19 @@ class ThreadPool {
 
   int num_threads() const { return static_cast<int>(workers_.size()) + 1; }
   // Runs fn(item, worker_id) for every item; rethrows the first exception.
+  // Calls from several threads are serialised.
   void run(int64_t num_items, const std::function<void(int64_t, int)>& fn);
 
-  // A process-wide pool resized on demand to num_threads (>= 1).
-  static ThreadPool& get(int num_threads);
+  // A process-wide pool of num_threads (>= 1) threads; asking for another size
+  // replaces it, while callers still holding the old one finish on it.
+  static std::shared_ptr<ThreadPool> get(int num_threads);
 
  private:
   void worker_loop(int worker_id);
   void drain(int worker_id);
 
   std::vector<std::thread> workers_;
+  std::mutex run_mu_;  // one run() at a time
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
   const std::function<void(int64_t, int)>* fn_ = nullptr;

@@ -50,11 +50,14 @@ class CacheConfig:
         block_size: tokens per KV block (16 or 32).
         num_kv_blocks: explicit number of blocks; overrides kv_cache_memory.
         kv_cache_memory: bytes for the KV store when num_kv_blocks is None.
+        enable_prefix_caching: reuse the K/V of full blocks whose token prefix
+            was computed before (chained SHA-256 block hashes, LRU eviction).
     """
 
     block_size: int = 16
     num_kv_blocks: int | None = None
     kv_cache_memory: int = 1 << 30
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size not in (16, 32):

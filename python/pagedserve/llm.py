@@ -17,7 +17,7 @@ class LLM:
         model: hub id, local folder, .gguf file, or None for the default
             SmolLM2-135M-Instruct.
         dtype: "float32" or "bfloat16".
-        block_size, num_kv_blocks, kv_cache_memory: see CacheConfig.
+        block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching: see CacheConfig.
         max_num_seqs, max_num_batched_tokens: see SchedulerConfig.
         max_model_len, skip_tokenizer_init, onednn_linear: see ModelConfig.
         attention_backend: see pagedserve.kernels.get_backend.
@@ -27,10 +27,11 @@ class LLM:
                  num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
                  max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
                  max_model_len: int | None = None, skip_tokenizer_init: bool = False,
-                 attention_backend: str | None = None, onednn_linear: bool = True) -> None:
+                 attention_backend: str | None = None, onednn_linear: bool = True,
+                 enable_prefix_caching: bool = True) -> None:
         self.engine = LLMEngine(EngineConfig(
             model=ModelConfig(model, dtype, max_model_len, None, skip_tokenizer_init, onednn_linear),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory),
+            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
             attention_backend=attention_backend))
 
@@ -59,10 +60,14 @@ class LLM:
                 self.engine.abort_request(rid)
             raise
         final: dict[str, RequestOutput] = {}
-        with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
-            while self.engine.has_unfinished_requests():
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                        bar.update()
+        try:
+            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+                while self.engine.has_unfinished_requests():
+                    for out in self.engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                            bar.update()
+        except BaseException:  # an error or Ctrl-C: leave nothing behind for the next call
+            self.engine.abort_all()
+            raise
         return [final[rid] for rid in ids]

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_INT32_MAX = 2**31 - 1
+_MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does)
+
 
 @dataclass
 class SamplingParams:
@@ -52,8 +55,16 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
         if self.max_tokens is None or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
+        if self.max_tokens > _INT32_MAX:
+            raise ValueError(f"max_tokens must be at most {_INT32_MAX}, got {self.max_tokens}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        bad = [t for t in self.stop_token_ids if not 0 <= t <= _INT32_MAX]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids, got {bad[0]}")
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0 or self.top_k == 1
+        """True when the next token is the argmax (temperature below 1e-5, where
+        logits / temperature would overflow, or top_k 1)."""
+        return self.temperature < _MIN_TEMPERATURE or self.top_k == 1

@@ -127,3 +127,19 @@ def test_bfloat16_engine_runs_on_both_backends(tiny_llama_dir, tiny_reference):
     total = 24 * len(prompts)
     assert sum(a == b for x, y in zip(outs["cpu"], want) for a, b in zip(x, y)) >= 0.5 * total
     assert sum(a == b for x, y in zip(outs["cpu"], outs["torch"]) for a, b in zip(x, y)) >= 0.9 * total
+
+
+def test_a_request_that_fails_to_build_leaves_nothing_in_the_scheduler(tiny_llama_dir, monkeypatch):
+    from pagedserve.engine import llm_engine
+
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("request state failure")
+
+    monkeypatch.setattr(llm_engine, "Request", broken)
+    with pytest.raises(RuntimeError):
+        llm.engine.add_request([5, 6, 7], SamplingParams(seed=3))
+    assert not llm.engine.has_unfinished_requests() and not llm.engine.requests
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=2**64)

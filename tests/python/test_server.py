@@ -116,6 +116,9 @@ def test_sse_bytes_end_with_done(server):
     ({"model": MODEL, "prompt": list(range(10, 10 + MAX_MODEL_LEN + 1)), "max_tokens": 1}, 400, "context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
+    ({"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": "hi", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
 ])
 def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, body, status, needle):
     path = "/v1/chat/completions" if isinstance(body, dict) and "messages" in body else "/v1/completions"
@@ -148,3 +151,20 @@ def test_non_streaming_client_timeout_frees_blocks(server):
     # 480 decode steps take far longer than 3 s: idle this soon means it was aborted
     s = wait_idle(server, timeout=3)
     assert s["num_running"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"]
+
+
+def test_tiny_temperature_is_greedy_not_an_error(client):
+    kw = dict(model=MODEL, prompt="The capital of France is", max_tokens=8)
+    tiny = client.completions.create(temperature=1e-30, **kw).choices[0].text
+    assert tiny == client.completions.create(temperature=0, **kw).choices[0].text
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = "Here is a long shared system prompt about dragons and castles. " * 8
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    first = client.completions.create(**kw)
+    second = client.completions.create(**kw)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
+    salted = client.completions.create(extra_body={"cache_salt": "tenant-x"}, **kw)
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0

@@ -48,8 +48,8 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ---- called from the event loop ---------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Submits a request and yields its RequestOutputs until the finished one.
 
         Raises:
@@ -59,7 +59,7 @@ class AsyncLLMEngine:
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params))
+        self._send(("add", request_id, prompt, params, cache_salt))
         finished = False
         try:
             while True:
@@ -97,39 +97,46 @@ class AsyncLLMEngine:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg[0] == "add":
-                _, request_id, prompt, params = msg
-                try:
-                    self.engine.add_request(prompt, params, request_id)
-                except Exception as e:  # rejected: hand the error to its waiter
-                    self._deliver_error(request_id, e)
-            else:
-                self.engine.abort_request(msg[1])
+            request_id = msg[1]
+            try:
+                if msg[0] == "add":
+                    self.engine.add_request(msg[2], msg[3], request_id, msg[4])
+                else:
+                    self.engine.abort_request(request_id)
+            except Exception as e:  # rejected: hand the error to its waiter
+                self._deliver(request_id, e)
 
-    def _deliver_error(self, request_id: str, err: BaseException) -> None:
+    def _deliver(self, request_id: str, item) -> None:
+        """Hands an output or an error to the request's waiter, if it still waits."""
         stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.put(err)
+        if stream is None:
+            return
+        try:
+            stream.put(item)
+        except RuntimeError:  # its event loop is closed: nobody is waiting any more
+            self._streams.pop(request_id, None)
+
+    def _fail_all(self, err: Exception) -> None:
+        """Aborts every request and tells every waiter (also those whose request
+        finished inside the failed step, or never reached the engine)."""
+        self.engine.abort_all()
+        for request_id in list(self._streams):
+            self._deliver(request_id, err)
 
     def _run(self) -> None:
         while not self._stopped:
-            self._drain_inbox()
-            if not self.engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=0.5)
-                self._wakeup.clear()
-                continue
             try:
+                self._drain_inbox()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
                 outputs = self.engine.step()
             except Exception as e:  # a failed step fails its requests, not the server
                 logger.exception("engine step failed")
-                for request_id in list(self.engine.requests):
-                    self.engine.abort_request(request_id)
-                    self._deliver_error(request_id, RuntimeError(f"engine step failed: {e}"))
+                self._fail_all(RuntimeError(f"engine step failed: {e}"))
                 continue
             for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.put(out)
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
-            self._deliver_error(request_id, RuntimeError("engine shut down"))
+                self._deliver(out.request_id, out)
+        self._drain_inbox()
+        self._fail_all(RuntimeError("engine shut down"))

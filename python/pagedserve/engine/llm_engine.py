@@ -61,7 +61,7 @@ class LLMEngine:
                                 config.model.torch_dtype)
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                  self.max_model_len),
+                                  self.max_model_len, config.cache.enable_prefix_caching),
             num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, get_backend(config.attention_backend))
         self.sampler = Sampler()
@@ -96,8 +96,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
-        """Queues a request; returns its id.
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queues a request; returns its id. cache_salt: requests with different
+        salts never share prefix-cache blocks.
 
         Raises:
             ValueError (including pagedserve.errors.RequestRejectedError) if it can
@@ -107,15 +108,20 @@ class LLMEngine:
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
-        stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
-                                  params.stop_token_ids)
-        self.scheduler.add_request(request_id, ids, stop)
+        # Everything that can fail is built before the scheduler holds the request.
         detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
                  if self.tokenizer is not None else None)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        self.requests[request_id] = Request(request_id, prompt if isinstance(prompt, str) else None,
-                                            ids, params, detok, gen)
+        req = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, detok, gen)
+        stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
+                                  params.stop_token_ids)
+        self.scheduler.add_request(request_id, ids, stop, cache_salt or "")
+        self.requests[request_id] = req
         return request_id
+
+    def abort_all(self) -> list[RequestOutput]:
+        """Aborts every request (after a failed step); returns their final outputs."""
+        return [out for rid in list(self.requests) if (out := self.abort_request(rid)) is not None]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Ends a request in any state and frees its KV blocks at once. Returns its
@@ -142,9 +148,10 @@ class LLMEngine:
         outputs = []
         for upd in self.scheduler.update(sampled):
             req = self.requests[upd.request_id]
+            req.num_cached_tokens = upd.num_cached_tokens
             if req.append_token(upd.token_id):
                 self.scheduler.finish_request(req.request_id, _core.FinishReason.STOP)
-                req.finish("stop")
+                req.finish("stop", stop_string=True)
             elif upd.finished:
                 req.finish(upd.finish_reason_str)
             outputs.append(req.make_output(1))
@@ -164,3 +171,8 @@ class LLMEngine:
     @property
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_stats(self):
+        """pagedserve._core.PrefixCacheStats: queries and hits (tokens), evictions (blocks)."""
+        return self.scheduler.prefix_cache_stats

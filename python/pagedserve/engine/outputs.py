@@ -36,6 +36,7 @@ class RequestOutput:
         prompt_token_ids: the prompt as token ids.
         outputs: one CompletionOutput per choice.
         finished: True on the last output of the request.
+        num_cached_tokens: prompt tokens served from the prefix cache (not computed).
         arrival_time, first_token_time, finished_time: time.monotonic() seconds.
     """
 
@@ -44,6 +45,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    num_cached_tokens: int = 0
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None

@@ -25,6 +25,7 @@ class Request:
     stop: StopStringMatcher = field(init=False)
     output_token_ids: list[int] = field(default_factory=list)
     released: int = 0  # characters of stop.text already handed out
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     finish_reason: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
@@ -42,12 +43,15 @@ class Request:
             return False
         return self.stop.append(self.detokenizer.step(token_id))
 
-    def finish(self, reason: str) -> None:
-        """Marks the request finished; flushes held-back text unless a stop string matched."""
+    def finish(self, reason: str, stop_string: bool = False) -> None:
+        """Marks the request finished ("stop", "length" or "abort"). Unless a stop
+        string ended it, the detokenizer's held-back text is flushed first; if that
+        text completes a stop string, the text is cut there and the reason is "stop"."""
         if self.finish_reason is not None:
             return
-        if self.detokenizer is not None and reason != "stop":
-            self.stop.append(self.detokenizer.flush())
+        if self.detokenizer is not None and not stop_string:
+            if self.stop.append(self.detokenizer.flush()) and reason == "length":
+                reason = "stop"
         self.finish_reason = reason
         self.finished_time = time.monotonic()
 
@@ -64,4 +68,5 @@ class Request:
                                   delta_text=delta, delta_token_ids=new_ids,
                                   finish_reason=self.finish_reason)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, [choice], finished,
-                             self.arrival_time, self.first_token_time, self.finished_time)
+                             self.num_cached_tokens, self.arrival_time, self.first_token_time,
+                             self.finished_time)

@@ -40,5 +40,7 @@ class Sampler:
                 continue
             row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
             probs = torch.softmax(row, dim=-1)
+            if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
+                continue
             tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
         return tokens

@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per step; longer prompts are prefilled in chunks")
     p.add_argument("--attention-backend", default=None, choices=["cpu", "torch"],
                    help="attention kernel: cpu (C++, default) or torch (the PyTorch reference)")
+    p.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                   help="turn off prefix caching (reuse of cached K/V blocks of repeated prefixes)")
     p.add_argument("--no-onednn-linear", dest="onednn_linear", action="store_false",
                    help="use torch's default GEMM for linear layers instead of oneDNN")
     p.add_argument("--log-level", default="info")
@@ -56,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     config = EngineConfig(
         model=ModelConfig(args.model, args.dtype, args.max_model_len, args.served_model_name,
                           onednn_linear=args.onednn_linear),
-        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory),
+        cache=CacheConfig(args.block_size, args.num_kv_blocks, args.kv_cache_memory, args.enable_prefix_caching),
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         attention_backend=args.attention_backend)
     engine = AsyncLLMEngine(LLMEngine(config))

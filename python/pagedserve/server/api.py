@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine.async_engine import AsyncLLMEngine
@@ -33,9 +33,14 @@ from .protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     UsageInfo,
     random_id,
 )
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready (its request is aborted)."""
 
 
 class APIError(Exception):
@@ -80,6 +85,10 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
     async def _on_api_error(request: Request, exc: APIError):
         return error_response(exc.status, exc.message, exc.type, exc.param, exc.code)
 
+    @app.exception_handler(ClientDisconnected)
+    async def _on_disconnect(request: Request, exc: ClientDisconnected):
+        return Response(status_code=499)  # nobody reads it: nginx's "client closed request"
+
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
         return error_response(exc.status_code, str(exc.detail),
@@ -121,6 +130,23 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         except RuntimeError as e:
             raise APIError(503, str(e), "service_unavailable") from e
 
+    async def until_disconnect(raw: Request, coro, request_id: str):
+        """Awaits coro; if the client goes away first, cancels it, aborts the
+        request and raises ClientDisconnected."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.25)
+                if done:
+                    return task.result()
+                if await raw.is_disconnected():
+                    raise ClientDisconnected(request_id)
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                engine.abort(request_id)
+
     async def final_output(raw: Request, gen: AsyncIterator[RequestOutput], request_id: str) -> RequestOutput:
         """Consumes the stream to its last output; aborts if the client disconnects."""
         async def consume() -> RequestOutput:
@@ -129,21 +155,12 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
                 pass
             return out
 
-        task = asyncio.ensure_future(consume())
         try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await raw.is_disconnected():
-                    raise asyncio.CancelledError
+            return await until_disconnect(raw, consume(), request_id)
         finally:
-            if not task.done():
-                task.cancel()
-                engine.abort(request_id)
             await gen.aclose()
 
-    async def outputs_from(first: RequestOutput, gen: AsyncIterator[RequestOutput]):
+    async def outputs_from(first: RequestOutput, gen: AsyncIterator[RequestOutput], request_id: str):
         """Yields `first`, then gen's outputs through the finished one. Closing or
         cancelling it (a client that went away) closes gen, which aborts the request."""
         try:
@@ -154,12 +171,22 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
                     return
                 out = await gen.__anext__()
         finally:
+            engine.abort(request_id)  # no-op once finished; frees the blocks of a client that left
             await gen.aclose()
 
     def usage(out: RequestOutput) -> UsageInfo:
         n_out = sum(len(c.token_ids) for c in out.outputs)
         return UsageInfo(prompt_tokens=len(out.prompt_token_ids), completion_tokens=n_out,
-                         total_tokens=len(out.prompt_token_ids) + n_out)
+                         total_tokens=len(out.prompt_token_ids) + n_out,
+                         prompt_tokens_details=PromptTokensDetails(cached_tokens=out.num_cached_tokens))
+
+    async def start_stream(raw: Request, gen: AsyncIterator[RequestOutput], request_id: str) -> RequestOutput:
+        """The first output of a streamed request; aborts if the client leaves while it queues."""
+        try:
+            return await until_disconnect(raw, first_output(gen), request_id)
+        except BaseException:
+            await gen.aclose()
+            raise
 
     def sse(obj) -> str:
         return f"data: {obj.model_dump_json() if hasattr(obj, 'model_dump_json') else json.dumps(obj)}\n\n"
@@ -192,16 +219,16 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         ids = tokenize(prompt)
         params = sampling_params(req, req.max_tokens, len(ids))
         request_id = random_id("cmpl")
-        gen = engine.generate(ids, params, request_id)
+        gen = engine.generate(ids, params, request_id, req.cache_salt)
         if not req.stream:
             out = await final_output(raw, gen, request_id)
             c = out.outputs[0]
             return CompletionResponse(id=request_id, model=model_name, usage=usage(out), choices=[
                 CompletionChoice(index=0, text=c.text, finish_reason=c.finish_reason)])
-        first = await first_output(gen)
+        first = await start_stream(raw, gen, request_id)
 
         async def stream():
-            async for out in outputs_from(first, gen):
+            async for out in outputs_from(first, gen, request_id):
                 c = out.outputs[0]
                 if c.delta_text or c.finish_reason:
                     yield sse(CompletionResponse(id=request_id, model=model_name, choices=[
@@ -222,13 +249,13 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         ids = core.tokenizer(text, add_special_tokens=False).input_ids
         params = sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids))
         request_id = random_id("chatcmpl")
-        gen = engine.generate(ids, params, request_id)
+        gen = engine.generate(ids, params, request_id, req.cache_salt)
         if not req.stream:
             out = await final_output(raw, gen, request_id)
             c = out.outputs[0]
             return ChatCompletionResponse(id=request_id, model=model_name, usage=usage(out), choices=[
                 ChatChoice(index=0, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason)])
-        first = await first_output(gen)
+        first = await start_stream(raw, gen, request_id)
 
         def chunk(delta: dict, finish_reason: str | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[
@@ -236,7 +263,7 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
 
         async def stream():
             yield chunk({"role": "assistant", "content": ""})
-            async for out in outputs_from(first, gen):
+            async for out in outputs_from(first, gen, request_id):
                 c = out.outputs[0]
                 if c.delta_text:
                     yield chunk({"content": c.delta_text})

@@ -18,14 +18,15 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     n: int = Field(default=1, ge=1, le=1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    cache_salt: str | None = None  # requests with different salts never share cached prefixes
     ignore_eos: bool = False
     stream: bool = False
     user: str | None = None
@@ -58,13 +59,18 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions body."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
 
 
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionChoice(BaseModel):

@@ -1,0 +1,56 @@
+#include "prefix_cache.h"
+
+namespace pagedserve {
+
+PrefixCache::PrefixCache(int32_t num_blocks) : hash_fn_(&PrefixCache::hash_block), entries_(num_blocks) {}
+
+BlockHash PrefixCache::hash_block(const BlockHash* parent, const int32_t* tokens, int32_t n,
+                                  const std::string& extra_key) {
+  Sha256 h;
+  const uint8_t has_parent = parent != nullptr;
+  h.update(&has_parent, 1);
+  if (parent) h.update(parent->data(), parent->size());
+  // token ids as little-endian int32, independent of the host's byte order
+  std::vector<uint8_t> bytes(static_cast<size_t>(n) * 4);
+  for (int32_t i = 0; i < n; ++i) {
+    const uint32_t t = static_cast<uint32_t>(tokens[i]);
+    for (int k = 0; k < 4; ++k) bytes[i * 4 + k] = static_cast<uint8_t>(t >> (8 * k));
+  }
+  h.update(bytes.data(), bytes.size());
+  const uint64_t extra_len = extra_key.size();
+  h.update(&extra_len, sizeof extra_len);
+  h.update(extra_key.data(), extra_key.size());
+  return h.digest();
+}
+
+int32_t PrefixCache::lookup(const BlockHash& hash, const BlockHash* parent, const int32_t* tokens, int32_t n,
+                            const std::string& extra_key) const {
+  auto it = map_.find(hash);
+  if (it == map_.end()) return -1;
+  const Entry& e = *entries_[it->second];
+  const bool same_parent = parent ? (e.parent && *e.parent == *parent) : !e.parent;
+  if (!same_parent || e.extra_key != extra_key || e.tokens.size() != static_cast<size_t>(n) ||
+      !std::equal(e.tokens.begin(), e.tokens.end(), tokens)) {
+    return -1;  // a hash collision: never serve another prefix's K/V
+  }
+  return it->second;
+}
+
+bool PrefixCache::insert(int32_t block_id, const BlockHash& hash, const BlockHash* parent, const int32_t* tokens,
+                         int32_t n, const std::string& extra_key) {
+  if (map_.count(hash) || entries_.at(block_id).has_value()) return false;
+  Entry e{hash, parent ? std::optional<BlockHash>(*parent) : std::nullopt, std::vector<int32_t>(tokens, tokens + n),
+          extra_key};
+  entries_[block_id] = std::move(e);
+  map_.emplace(hash, block_id);
+  return true;
+}
+
+void PrefixCache::erase_block(int32_t block_id) {
+  auto& e = entries_.at(block_id);
+  if (!e) return;
+  map_.erase(e->hash);
+  e.reset();
+}
+
+}  // namespace pagedserve
