@@ -1,0 +1,1 @@
+"""Experiments that need no model: allocator fragmentation (and, later, scheduling policies)."""
