@@ -127,6 +127,9 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_evictable_blocks", &KVCacheManager::num_evictable_blocks)
       .def_property_readonly("num_evictions", &KVCacheManager::num_evictions)
       .def("match_prefix", &KVCacheManager::match_prefix, py::arg("tokens"), py::arg("cache_salt") = "")
+      .def("fork", &KVCacheManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"))
+      .def("take_pending_copies", &KVCacheManager::take_pending_copies)
+      .def_property_readonly("num_cow_copies", &KVCacheManager::num_cow_copies)
       .def("cache_full_blocks", &KVCacheManager::cache_full_blocks, py::arg("seq_id"), py::arg("tokens"),
            py::arg("num_computed_tokens"))
       .def_property_readonly("block_size", &KVCacheManager::block_size)
@@ -185,6 +188,12 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("preempted_request_ids", &SchedulerOutput::preempted_request_ids)
       .def_readonly("max_num_blocks_per_seq", &SchedulerOutput::max_num_blocks_per_seq)
       .def_property_readonly("num_seqs", &SchedulerOutput::num_seqs)
+      .def_property_readonly("seq_indices", &flat_view<&SchedulerOutput::seq_indices>)
+      .def_property_readonly("num_samples", &flat_view<&SchedulerOutput::num_samples>)
+      .def_property_readonly("blocks_to_copy", [](const py::object& self) {
+        const auto& o = self.cast<const SchedulerOutput&>();
+        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.num_block_copies()), 2});
+      })
       .def_property_readonly("total_num_scheduled_tokens", &SchedulerOutput::total_num_scheduled_tokens)
       .def_property_readonly("empty", &SchedulerOutput::empty)
       .def_property_readonly("num_scheduled_tokens", &flat_view<&SchedulerOutput::num_scheduled_tokens>)
@@ -205,6 +214,7 @@ PYBIND11_MODULE(_core, m) {
 
   py::class_<SequenceUpdate>(m, "SequenceUpdate")
       .def_readonly("request_id", &SequenceUpdate::request_id)
+      .def_readonly("index", &SequenceUpdate::index)
       .def_readonly("token_id", &SequenceUpdate::token_id)
       .def_readonly("finish_reason", &SequenceUpdate::finish_reason)
       .def_readonly("num_cached_tokens", &SequenceUpdate::num_cached_tokens)
@@ -220,7 +230,9 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<const SchedulerConfig&, int32_t, int32_t>(), py::arg("config"),
            py::arg("num_blocks"), py::arg("block_size"))
       .def("add_request", &Scheduler::add_request, py::arg("request_id"),
-           py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "")
+           py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "", py::arg("n_seqs") = 1)
+      .def("finish_sequence", &Scheduler::finish_sequence, py::arg("request_id"), py::arg("index"),
+           py::arg("reason"))
       .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)
       .def("schedule", &Scheduler::schedule)
       .def("update", &Scheduler::update, py::arg("sampled_token_ids"))
@@ -230,7 +242,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
-      .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"))
+      .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"), py::arg("index") = 0)
       .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
                              py::return_value_policy::reference_internal)
       .def_property_readonly("config", &Scheduler::config);

@@ -19,6 +19,8 @@ class BlockTable {
   int32_t capacity() const { return num_blocks() * block_size_; }
 
   void append_block(int32_t block_id) { block_ids_.push_back(block_id); }
+  // Replaces logical block i (copy-on-write). Throws std::out_of_range.
+  void set_block(int32_t i, int32_t block_id) { block_ids_.at(i) = block_id; }
   void clear() { block_ids_.clear(); }
 
   // Physical slot of token position `position` (0-based).

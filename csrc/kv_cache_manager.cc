@@ -78,8 +78,15 @@ int32_t KVCacheManager::blocks_needed(const Entry& e, int32_t num_new_tokens) co
   return want > e.table.num_blocks() ? want - e.table.num_blocks() : 0;
 }
 
+// The next token goes into the last block, which is partially filled and shared.
+bool KVCacheManager::needs_cow(const Entry& e, int32_t num_new_tokens) const {
+  return num_new_tokens > 0 && e.num_tokens % block_size_ != 0 && e.table.num_blocks() > 0 &&
+         pool_.refcount(e.table.block_ids()[e.num_tokens / block_size_]) > 1;
+}
+
 bool KVCacheManager::can_append(int64_t seq_id, int32_t num_new_tokens) const {
-  return blocks_needed(entry(seq_id), num_new_tokens) <= num_free_blocks();
+  const Entry& e = entry(seq_id);
+  return blocks_needed(e, num_new_tokens) + (needs_cow(e, num_new_tokens) ? 1 : 0) <= num_free_blocks();
 }
 
 void KVCacheManager::append(int64_t seq_id, int32_t num_new_tokens) {
@@ -88,10 +95,34 @@ void KVCacheManager::append(int64_t seq_id, int32_t num_new_tokens) {
                            " tokens to sequence " + std::to_string(seq_id));
   }
   Entry& e = tables_.at(seq_id);
+  if (needs_cow(e, num_new_tokens)) {  // copy-on-write of the shared partial block
+    const int32_t idx = e.num_tokens / block_size_;
+    const int32_t src = e.table.block_ids()[idx];
+    const int32_t dst = pool_.allocate();
+    e.table.set_block(idx, dst);
+    pool_.free(src);
+    pending_copies_.emplace_back(src, dst);
+    ++num_cow_copies_;
+  }
   for (int32_t n = blocks_needed(e, num_new_tokens); n > 0; --n) {
     e.table.append_block(pool_.allocate());
   }
   e.num_tokens += num_new_tokens;
+}
+
+void KVCacheManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
+  const Entry& parent = entry(parent_seq_id);
+  if (has_sequence(child_seq_id)) {
+    throw RequestRejectedError("sequence " + std::to_string(child_seq_id) + " already has blocks");
+  }
+  for (int32_t b : parent.table.block_ids()) pool_.incref(b);
+  tables_.emplace(child_seq_id, parent);
+}
+
+std::vector<std::pair<int32_t, int32_t>> KVCacheManager::take_pending_copies() {
+  std::vector<std::pair<int32_t, int32_t>> out;
+  out.swap(pending_copies_);
+  return out;
 }
 
 void KVCacheManager::cache_full_blocks(int64_t seq_id, const std::vector<int32_t>& tokens,

@@ -4,6 +4,9 @@
 //   match_prefix(tokens, salt)          -> can_allocate(n, match) -> allocate(seq_id, n, match)
 //   can_append(seq_id, num_new_tokens)  -> append(seq_id, num_new_tokens)
 //   cache_full_blocks(seq_id, tokens, num_computed_tokens)   (commit step)
+//   fork(parent, child): the child shares all the parent's blocks (refcount +1);
+//   the first append into a shared, partially filled last block copies it
+//   (copy-on-write) and records (src, dst) in take_pending_copies().
 // A sequence's table always covers its reserved token slots (num_tokens(seq_id));
 // blocks are handed out lazily, one block_size at a time.
 #pragma once
@@ -11,6 +14,7 @@
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "block_pool.h"
@@ -63,6 +67,15 @@ class KVCacheManager {
   // Throws UnknownRequestError / OutOfBlocksError.
   void append(int64_t seq_id, int32_t num_new_tokens);
 
+  // Gives child_seq_id the same blocks as parent_seq_id (shared, refcount +1),
+  // reserved slots and prefix hashes. Throws UnknownRequestError for an unknown
+  // parent, RequestRejectedError if the child already has a table.
+  void fork(int64_t parent_seq_id, int64_t child_seq_id);
+  // Block copies (src, dst) that copy-on-write decided since the last call; the
+  // model runner must copy src's K/V into dst before the next forward pass.
+  std::vector<std::pair<int32_t, int32_t>> take_pending_copies();
+  int64_t num_cow_copies() const { return num_cow_copies_; }
+
   // Registers seq_id's blocks that became full with computed K/V (the first
   // num_computed_tokens of `tokens`) in the prefix cache. No-op when off.
   void cache_full_blocks(int64_t seq_id, const std::vector<int32_t>& tokens, int32_t num_computed_tokens);
@@ -86,6 +99,7 @@ class KVCacheManager {
     std::string cache_salt;
   };
   int32_t blocks_needed(const Entry& e, int32_t num_new_tokens) const;
+  bool needs_cow(const Entry& e, int32_t num_new_tokens) const;
   const Entry& entry(int64_t seq_id) const;
 
   int32_t block_size_;
@@ -93,6 +107,8 @@ class KVCacheManager {
   BlockPool pool_;
   PrefixCache prefix_cache_;
   std::unordered_map<int64_t, Entry> tables_;
+  std::vector<std::pair<int32_t, int32_t>> pending_copies_;
+  int64_t num_cow_copies_ = 0;
 };
 
 }  // namespace pagedserve

@@ -17,12 +17,13 @@ Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t 
 
 void Scheduler::add_request(const std::string& request_id,
                             const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop,
-                            const std::string& cache_salt) {
+                            const std::string& cache_salt, int32_t n_seqs) {
   const auto n = static_cast<int64_t>(prompt_token_ids.size());
   if (n == 0) throw RequestRejectedError("the prompt is empty");
   if (requests_.count(request_id)) {
     throw RequestRejectedError("request id '" + request_id + "' is already in use");
   }
+  if (n_seqs < 1) throw RequestRejectedError("n must be at least 1, got " + std::to_string(n_seqs));
   if (stop.max_tokens < 1) {
     throw RequestRejectedError("max_tokens must be at least 1, got " +
                                std::to_string(stop.max_tokens));
@@ -48,7 +49,8 @@ void Scheduler::add_request(const std::string& request_id,
   seq->num_prompt_tokens = static_cast<int32_t>(n);
   seq->stop = stop;
   seq->cache_salt = cache_salt;
-  requests_.emplace(request_id, seq);
+  seq->num_forks = n_seqs;
+  requests_[request_id].push_back(seq);
   waiting_.push_back(std::move(seq));
 }
 
@@ -113,7 +115,12 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   }
 
   build_output(*out, scheduled);
-  last_num_sampling_ = out->logits_indices.size();
+  for (const auto& [src, dst] : kv_.take_pending_copies()) {
+    out->blocks_to_copy.push_back(src);
+    out->blocks_to_copy.push_back(dst);
+  }
+  last_num_samples_ = 0;
+  for (int32_t k : out->num_samples) last_num_samples_ += k;
   last_scheduled_ = std::move(scheduled);
   return out;
 }
@@ -133,6 +140,7 @@ void Scheduler::build_output(SchedulerOutput& out,
     const int32_t start = seq->num_computed_tokens;
     const int32_t q0 = out.query_start_loc.back();
     out.request_ids.push_back(seq->request_id);
+    out.seq_indices.push_back(seq->index);
     out.num_scheduled_tokens.push_back(n);
     out.num_computed_tokens.push_back(start);
     out.seq_lens.push_back(start + n);
@@ -147,6 +155,7 @@ void Scheduler::build_output(SchedulerOutput& out,
     if (start + n == seq->num_tokens()) {  // all known tokens computed: sample the next
       out.logits_indices.push_back(q0 + n - 1);
       out.sampling_seq_indices.push_back(static_cast<int32_t>(b));
+      out.num_samples.push_back(seq->num_forks);
     }
   }
 }
@@ -168,28 +177,48 @@ FinishReason Scheduler::check_stop(const Sequence& seq) const {
 }
 
 std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sampled_token_ids) {
-  if (sampled_token_ids.size() != last_num_sampling_) {
+  if (sampled_token_ids.size() != last_num_samples_) {
     throw std::invalid_argument("update() got " + std::to_string(sampled_token_ids.size()) +
-                                " sampled tokens, the last schedule() has " +
-                                std::to_string(last_num_sampling_) + " sampling sequences");
+                                " sampled tokens, the last schedule() asked for " +
+                                std::to_string(last_num_samples_));
   }
   std::vector<SequenceUpdate> updates;
   size_t s = 0;
+  auto commit = [&](const SeqPtr& seq, int32_t token) {
+    seq->token_ids.push_back(token);
+    SequenceUpdate u{seq->request_id, seq->index, token, check_stop(*seq), seq->num_cached_tokens};
+    if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
+    updates.push_back(std::move(u));
+  };
   for (const auto& [seq, n] : last_scheduled_) {
     const bool samples = seq->num_computed_tokens + n == seq->num_tokens();
-    const int32_t token = samples ? sampled_token_ids[s++] : 0;
+    const int32_t k = samples ? seq->num_forks : 0;
+    const size_t first = s;
+    s += k;
     if (seq->status != SequenceStatus::kRunning) continue;  // finished since schedule()
     seq->num_computed_tokens += n;
     kv_.cache_full_blocks(seq->seq_id, seq->token_ids, seq->num_computed_tokens);
     if (!samples) continue;
-    seq->token_ids.push_back(token);
-    SequenceUpdate u{seq->request_id, token, check_stop(*seq), seq->num_cached_tokens};
-    if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
-    updates.push_back(std::move(u));
+    std::vector<SeqPtr> children;  // fork before the parent's own token goes in
+    for (int32_t i = 1; i < k; ++i) children.push_back(fork(seq, i));
+    seq->num_forks = 1;
+    commit(seq, sampled_token_ids[first]);
+    for (int32_t i = 1; i < k; ++i) commit(children[i - 1], sampled_token_ids[first + i]);
   }
   last_scheduled_.clear();
-  last_num_sampling_ = 0;
+  last_num_samples_ = 0;
   return updates;
+}
+
+Scheduler::SeqPtr Scheduler::fork(const SeqPtr& parent, int32_t index) {
+  auto child = std::make_shared<Sequence>(*parent);
+  child->seq_id = next_seq_id_++;
+  child->index = index;
+  child->num_forks = 1;
+  kv_.fork(parent->seq_id, child->seq_id);
+  running_.push_back(child);
+  requests_[parent->request_id].push_back(child);
+  return child;
 }
 
 void Scheduler::finish(const SeqPtr& seq, FinishReason reason) {
@@ -201,22 +230,43 @@ void Scheduler::finish(const SeqPtr& seq, FinishReason reason) {
   }
   seq->status = SequenceStatus::kFinished;
   seq->finish_reason = reason;
-  requests_.erase(seq->request_id);
+  auto it = requests_.find(seq->request_id);
+  if (it != requests_.end()) {
+    auto& seqs = it->second;
+    seqs.erase(std::remove(seqs.begin(), seqs.end(), seq), seqs.end());
+    if (seqs.empty()) requests_.erase(it);
+  }
 }
 
 bool Scheduler::finish_request(const std::string& request_id, FinishReason reason) {
   auto it = requests_.find(request_id);
   if (it == requests_.end()) return false;
-  SeqPtr seq = it->second;  // keep alive: finish() erases the map entry
-  finish(seq, reason);
+  const std::vector<SeqPtr> seqs = it->second;  // copy: finish() edits the map entry
+  for (const SeqPtr& seq : seqs) finish(seq, reason);
   return true;
 }
 
-std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id) const {
+bool Scheduler::finish_sequence(const std::string& request_id, int32_t index, FinishReason reason) {
   auto it = requests_.find(request_id);
-  if (it == requests_.end()) throw UnknownRequestError("unknown request '" + request_id + "'");
-  const Sequence& seq = *it->second;
-  return {seq.token_ids.begin() + seq.num_prompt_tokens, seq.token_ids.end()};
+  if (it == requests_.end()) return false;
+  for (const SeqPtr& seq : it->second) {
+    if (seq->index == index) {
+      SeqPtr keep = seq;  // finish() may erase the vector holding it
+      finish(keep, reason);
+      return true;
+    }
+  }
+  return false;
+}
+
+std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id, int32_t index) const {
+  auto it = requests_.find(request_id);
+  if (it != requests_.end()) {
+    for (const SeqPtr& seq : it->second) {
+      if (seq->index == index) return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end()};
+    }
+  }
+  throw UnknownRequestError("unknown request '" + request_id + "' or choice " + std::to_string(index));
 }
 
 }  // namespace pagedserve

@@ -57,21 +57,26 @@ class Scheduler {
   // empty prompt, duplicate request_id, max_tokens < 1, prompt + max_tokens >
   // max_model_len, or more blocks than the whole pool.
   // cache_salt: requests with different salts never share cached blocks.
+  // n > 1 (parallel sampling): the prompt is prefilled once; at its first sample
+  // the sequence forks into n sequences sharing the prompt's blocks.
   void add_request(const std::string& request_id, const std::vector<int32_t>& prompt_token_ids,
-                   const StopCriteria& stop, const std::string& cache_salt = "");
+                   const StopCriteria& stop, const std::string& cache_salt = "", int32_t n_seqs = 1);
 
   // Decides the next step (see class comment). Empty output when idle.
   std::shared_ptr<SchedulerOutput> schedule();
 
   // Commits the last schedule(): advances num_computed_tokens of every scheduled
-  // sequence, appends sampled_token_ids[i] to the i-th sampling sequence, applies
-  // stop criteria and frees finished sequences. Throws std::invalid_argument if
-  // the count differs from the last output's sampling sequences.
+  // sequence, gives each sampling sequence its next num_samples tokens of
+  // sampled_token_ids (forking the extra ones into new sequences), applies stop
+  // criteria and frees finished sequences. Throws std::invalid_argument if the
+  // count differs from sum(num_samples) of the last output.
   std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids);
 
   // Ends a request in any state and frees its blocks at once. Returns false if
   // the id is unknown (already finished). reason: kStop (stop string) or kAbort.
   bool finish_request(const std::string& request_id, FinishReason reason);
+  // Ends one sequence (choice `index`) of a request, e.g. on a stop string.
+  bool finish_sequence(const std::string& request_id, int32_t index, FinishReason reason);
   bool abort(const std::string& request_id) { return finish_request(request_id, FinishReason::kAbort); }
 
   bool has_unfinished_requests() const { return !requests_.empty(); }
@@ -81,8 +86,8 @@ class Scheduler {
   PrefixCacheStats prefix_cache_stats() const {
     return {prefix_queries_, prefix_hits_, kv_.num_evictions()};
   }
-  // Output token ids so far. Throws UnknownRequestError.
-  std::vector<int32_t> output_token_ids(const std::string& request_id) const;
+  // Output token ids so far of choice `index`. Throws UnknownRequestError.
+  std::vector<int32_t> output_token_ids(const std::string& request_id, int32_t index = 0) const;
   const KVCacheManager& kv_cache_manager() const { return kv_; }
   const SchedulerConfig& config() const { return config_; }
 
@@ -90,6 +95,7 @@ class Scheduler {
   using SeqPtr = std::shared_ptr<Sequence>;
   void preempt(const SeqPtr& seq);
   void finish(const SeqPtr& seq, FinishReason reason);
+  SeqPtr fork(const SeqPtr& parent, int32_t index);
   FinishReason check_stop(const Sequence& seq) const;
   void build_output(SchedulerOutput& out, const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const;
 
@@ -97,9 +103,9 @@ class Scheduler {
   KVCacheManager kv_;
   std::deque<SeqPtr> waiting_;
   std::vector<SeqPtr> running_;
-  std::unordered_map<std::string, SeqPtr> requests_;
+  std::unordered_map<std::string, std::vector<SeqPtr>> requests_;  // unfinished sequences per request
   std::vector<std::pair<SeqPtr, int32_t>> last_scheduled_;  // (sequence, num_scheduled_tokens)
-  size_t last_num_sampling_ = 0;
+  size_t last_num_samples_ = 0;
   int64_t next_seq_id_ = 0;
   int64_t num_preemptions_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;

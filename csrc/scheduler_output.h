@@ -14,6 +14,7 @@ namespace pagedserve {
 
 struct SchedulerOutput {
   std::vector<std::string> request_ids;       // [B]
+  std::vector<int32_t> seq_indices;           // [B] choice index of each sequence in its request
   std::vector<int32_t> num_scheduled_tokens;  // [B] query length of each sequence
   std::vector<int32_t> num_computed_tokens;   // [B] tokens already cached before this step
   std::vector<int32_t> query_start_loc;       // [B+1] prefix sums of num_scheduled_tokens
@@ -25,16 +26,23 @@ struct SchedulerOutput {
   std::vector<int32_t> slot_mapping;          // [T] physical cache slot of each token
   std::vector<int32_t> logits_indices;        // [S] flat token index whose logits are sampled
   std::vector<int32_t> sampling_seq_indices;  // [S] row in [0, B) of each sampling sequence
+  // [S] tokens to sample from each row: n for a request's first sample when it
+  // forks into n sequences (parallel sampling), else 1. update() takes sum(num_samples).
+  std::vector<int32_t> num_samples;
+  // [C, 2] (src, dst) block copies (copy-on-write) to apply before the forward pass.
+  std::vector<int32_t> blocks_to_copy;
   std::vector<std::string> preempted_request_ids;  // preempted while scheduling this step
 
   int32_t num_seqs() const { return static_cast<int32_t>(request_ids.size()); }
   int32_t total_num_scheduled_tokens() const { return static_cast<int32_t>(input_ids.size()); }
+  int32_t num_block_copies() const { return static_cast<int32_t>(blocks_to_copy.size() / 2); }
   bool empty() const { return request_ids.empty(); }
 };
 
 // One sampling sequence's committed token (Scheduler::update's result).
 struct SequenceUpdate {
   std::string request_id;
+  int32_t index = 0;  // choice index
   int32_t token_id = 0;
   FinishReason finish_reason = FinishReason::kNone;  // kNone: still running
   int32_t num_cached_tokens = 0;  // prompt tokens served from the prefix cache

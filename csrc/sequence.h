@@ -28,6 +28,8 @@ struct StopCriteria {
 struct Sequence {
   std::string request_id;
   int64_t seq_id = 0;
+  int32_t index = 0;       // choice index within its request (parallel sampling)
+  int32_t num_forks = 1;   // sequences this one becomes at its first sample (n); 1 = none pending
   std::vector<int32_t> token_ids;  // prompt tokens then output tokens
   int32_t num_prompt_tokens = 0;
   // Tokens whose K/V are in the paged cache. A decode step computes the one

@@ -14,12 +14,13 @@ class SamplingParams:
     """Sampling and stopping parameters of one request.
 
     Attributes:
-        n: sequences to return (only 1 until parallel sampling lands).
+        n: sequences to return (parallel sampling: the prompt is prefilled once,
+            then forked; the choices share its KV blocks until they write).
         temperature: 0 = greedy (argmax); else logits / temperature.
         top_p: nucleus sampling mass in (0, 1]; 1 = off.
         top_k: keep the k most likely tokens; 0 or -1 = off.
-        seed: per-request torch.Generator seed; same seed -> same samples
-            whatever else is in the batch.
+        seed: torch.Generator seed; same seed -> same samples whatever else is
+            in the batch. Choice i samples with choice_seed(i).
         max_tokens: output tokens at most (>= 1).
         stop: strings that end the output; they are not included in the text.
         stop_token_ids: token ids that end the output (kept in token_ids).
@@ -45,8 +46,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = [s for s in (self.stop or []) if s]
         self.stop_token_ids = list(self.stop_token_ids or [])
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (parallel sampling is not implemented yet), got {self.n}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
@@ -62,6 +63,13 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t <= _INT32_MAX]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids, got {bad[0]}")
+
+    def choice_seed(self, index: int) -> int | None:
+        """The generator seed of choice `index`: seed itself for choice 0, then
+        well-spread values derived from it (None when unseeded)."""
+        if self.seed is None:
+            return None
+        return (self.seed + index * 0x9E3779B97F4A7C15) % 2**63
 
     @property
     def greedy(self) -> bool:

@@ -170,3 +170,68 @@ TEST(SchedulerPrefix, SamePromptTwiceComputesOnlyTheUncachedTail) {
   s.abort("c");
   EXPECT_EQ(s.kv_cache_manager().num_free_blocks(), s.kv_cache_manager().num_blocks());
 }
+
+TEST(KVCacheManagerFork, ForkSharesBlocksAndCopyOnWriteSplitsThePartialOne) {
+  KVCacheManager kv(8, 16, true);
+  kv.allocate(1, 20);  // blocks: one full, one with 4 tokens
+  const auto parent = kv.block_table(1).block_ids();
+  kv.fork(1, 2);
+  EXPECT_EQ(kv.block_table(2).block_ids(), parent);
+  EXPECT_EQ(kv.block_pool().refcount(parent[0]), 2);
+  EXPECT_EQ(kv.block_pool().refcount(parent[1]), 2);
+  ASSERT_TRUE(kv.can_append(1, 1));
+  kv.append(1, 1);  // token 21 goes into the shared partial block: copy it first
+  const auto copies = kv.take_pending_copies();
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_EQ(copies[0].first, parent[1]);
+  EXPECT_EQ(kv.block_table(1).block_ids()[1], copies[0].second);
+  EXPECT_EQ(kv.block_table(1).block_ids()[0], parent[0]);  // full block stays shared
+  EXPECT_EQ(kv.block_table(2).block_ids(), parent);         // the other sequence keeps its data
+  EXPECT_EQ(kv.block_pool().refcount(parent[1]), 1);
+  kv.append(2, 1);  // now sole owner: no copy
+  EXPECT_TRUE(kv.take_pending_copies().empty());
+  EXPECT_EQ(kv.num_cow_copies(), 1);
+  kv.free(1);
+  kv.free(2);
+  expect_all_available(kv);
+}
+
+TEST(KVCacheManagerFork, ForkAtABlockBoundaryNeedsNoCopy) {
+  KVCacheManager kv(8, 16, false);
+  kv.allocate(1, 16);
+  kv.fork(1, 2);
+  kv.append(1, 1);
+  kv.append(2, 1);
+  EXPECT_TRUE(kv.take_pending_copies().empty());
+  EXPECT_NE(kv.block_table(1).block_ids()[1], kv.block_table(2).block_ids()[1]);
+  kv.free(2);
+  kv.free(1);
+  expect_all_available(kv);
+}
+
+TEST(SchedulerFork, ParallelSamplingForksAtTheFirstSampleAndCopiesOnWrite) {
+  Scheduler s({8, 256, 512, true}, 16, 16);
+  StopCriteria st;
+  st.max_tokens = 3;
+  s.add_request("r", tokens(20), st, "", 3);
+  auto out = s.schedule();
+  ASSERT_EQ(out->num_samples.size(), 1u);
+  EXPECT_EQ(out->num_samples[0], 3);
+  EXPECT_THROW(s.update({1}), std::invalid_argument);
+  auto ups = s.update({1, 2, 3});
+  ASSERT_EQ(ups.size(), 3u);
+  EXPECT_EQ(ups[1].index, 1);
+  EXPECT_EQ(ups[2].token_id, 3);
+  EXPECT_EQ(s.num_running(), 3);
+  out = s.schedule();  // three decodes into the shared partial block: two of them copy it
+  EXPECT_EQ(out->num_seqs(), 3);
+  EXPECT_EQ(out->num_block_copies(), 2);
+  EXPECT_EQ(out->seq_indices[2], 2);
+  s.update({4, 5, 6});
+  EXPECT_EQ(s.output_token_ids("r", 1), (std::vector<int32_t>{2, 5}));
+  EXPECT_TRUE(s.finish_sequence("r", 1, FinishReason::kStop));
+  EXPECT_EQ(s.num_running(), 2);
+  EXPECT_TRUE(s.abort("r"));
+  EXPECT_FALSE(s.has_unfinished_requests());
+  EXPECT_EQ(s.kv_cache_manager().num_free_blocks(), s.kv_cache_manager().num_blocks());
+}

@@ -137,7 +137,7 @@ def test_a_request_that_fails_to_build_leaves_nothing_in_the_scheduler(tiny_llam
     def broken(*args, **kwargs):
         raise RuntimeError("request state failure")
 
-    monkeypatch.setattr(llm_engine, "Request", broken)
+    monkeypatch.setattr(llm_engine.Request, "create", broken)
     with pytest.raises(RuntimeError):
         llm.engine.add_request([5, 6, 7], SamplingParams(seed=3))
     assert not llm.engine.has_unfinished_requests() and not llm.engine.requests

@@ -78,3 +78,47 @@ def test_different_cache_salts_never_share(tiny_llama_dir):
     assert one(llm, prompt, "bob").num_cached_tokens == 0
     assert one(llm, prompt, "alice").num_cached_tokens == 64
     assert one(llm, prompt).num_cached_tokens == 0  # no salt is a salt of its own
+
+
+# ---- parallel sampling: fork + copy-on-write ----------------------------------
+
+def choices(llm, prompt, params):
+    [out] = llm.generate([prompt], params, use_tqdm=False)
+    assert llm.engine.num_free_blocks == llm.engine.num_kv_blocks
+    assert [c.index for c in out.outputs] == list(range(params.n))
+    return [c.token_ids for c in out.outputs]
+
+
+def test_n2_greedy_gives_two_copies_of_n1(setup):
+    kw, vocab = setup
+    llm = LLM(**kw)
+    prompt = rand_prompt(random.Random(5), 21, vocab)  # the last prompt block is partial: shared, then copied
+    params = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    two = choices(llm, prompt, SamplingParams(n=2, **params))
+    assert two[0] == two[1] == choices(llm, prompt, SamplingParams(n=1, **params))[0]
+    assert llm.engine.scheduler.kv_cache_manager.num_cow_copies > 0
+
+
+def test_n4_sampled_with_seed_is_reproducible_and_copy_on_write_keeps_choices_apart(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    prompt = rand_prompt(random.Random(6), 37, 512)
+    params = dict(temperature=1.0, max_tokens=20, ignore_eos=True)
+    four = choices(llm, prompt, SamplingParams(n=4, seed=42, **params))
+    assert four == choices(llm, prompt, SamplingParams(n=4, seed=42, **params))
+    assert len({tuple(c) for c in four}) > 1  # the choices really differ
+    # each choice equals a lone request sampling with that choice's seed: the forked
+    # sequences attended over their own K/V, never over a sibling's writes
+    for i, tokens in enumerate(four):
+        alone = SamplingParams(n=1, seed=SamplingParams(seed=42).choice_seed(i), **params)
+        assert choices(llm, prompt, alone)[0] == tokens
+
+
+def test_abort_of_a_forked_request_frees_every_block(tiny_llama_dir):
+    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    eng = llm.engine
+    rid = eng.add_request(list(range(5, 30)), SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert eng.scheduler.num_running == 3
+    assert eng.abort_request(rid).finished
+    assert eng.num_free_blocks == eng.num_kv_blocks

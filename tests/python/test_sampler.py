@@ -17,12 +17,14 @@ def test_top_k_and_top_p_masks():
 
 def test_greedy_rows_take_argmax_and_sampled_rows_stay_in_top_k():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=3), SamplingParams(top_k=1)]
-    gens = [None, torch.Generator().manual_seed(1), None]
+    g = torch.Generator().manual_seed(1)
+    rows = [(SamplingParams(temperature=0), [None]), (SamplingParams(temperature=1.0, top_k=3), [g, g]),
+            (SamplingParams(top_k=1), [None])]
     for _ in range(20):
-        t = Sampler()(logits, params, gens)
-        assert t[0] == int(logits[0].argmax()) and t[2] == int(logits[2].argmax())
-        assert t[1] in torch.topk(logits[1], 3).indices.tolist()
+        t = Sampler()(logits, rows)
+        assert len(t) == 4  # the second row draws two tokens (a request forking into n = 2)
+        assert t[0] == int(logits[0].argmax()) and t[3] == int(logits[2].argmax())
+        assert set(t[1:3]) <= set(torch.topk(logits[1], 3).indices.tolist())
 
 
 def test_seed_reproducible_whatever_else_is_in_the_batch(tiny_llama_dir):

@@ -168,3 +168,22 @@ def test_repeated_prompt_reports_cached_tokens(client):
     assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens - 16
     salted = client.completions.create(extra_body={"cache_salt": "tenant-x"}, **kw)
     assert salted.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_n_choices_carry_their_index_also_when_streamed(client):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8, seed=7, n=3)
+    full = client.completions.create(**kw)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2]
+    texts = {i: "" for i in range(3)}
+    finished = set()
+    for chunk in client.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            assert c.index not in finished
+            texts[c.index] += c.text
+            if c.finish_reason:
+                finished.add(c.index)
+    assert finished == {0, 1, 2}
+    assert texts == {c.index: c.text for c in full.choices}
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], n=2,
+                                          temperature=0, max_tokens=6)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == chat.choices[1].message.content

@@ -21,7 +21,6 @@ from ..model.loader import load_model
 from ..model.runner import ModelRunner, use_onednn_linear
 from ..model.sampler import Sampler
 from ..sampling_params import SamplingParams
-from .detokenizer import IncrementalDetokenizer
 from .outputs import RequestOutput
 from .request import Request
 
@@ -109,13 +108,10 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
         # Everything that can fail is built before the scheduler holds the request.
-        detok = (IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-                 if self.tokenizer is not None else None)
-        gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        req = Request(request_id, prompt if isinstance(prompt, str) else None, ids, params, detok, gen)
+        req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
                                   params.stop_token_ids)
-        self.scheduler.add_request(request_id, ids, stop, cache_salt or "")
+        self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n)
         self.requests[request_id] = req
         return request_id
 
@@ -130,8 +126,9 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        req.finish("abort")
-        return req.make_output(0)
+        for choice in req.choices:
+            choice.finish("abort")
+        return req.make_output()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -143,19 +140,28 @@ class LLMEngine:
         if out.empty:
             return []
         logits = self.runner.execute(out)
-        rows = [self.requests[out.request_ids[i]] for i in out.sampling_seq_indices]
-        sampled = self.sampler(logits, [r.params for r in rows], [r.generator for r in rows])
-        outputs = []
+        rows = []
+        for s, b in enumerate(out.sampling_seq_indices.tolist()):
+            req, first = self.requests[out.request_ids[b]], int(out.seq_indices[b])
+            gens = [req.choices[first + j].generator for j in range(int(out.num_samples[s]))]
+            rows.append((req.params, gens))
+        sampled = self.sampler(logits, rows)
+        touched: dict[str, Request] = {}
         for upd in self.scheduler.update(sampled):
             req = self.requests[upd.request_id]
+            choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
-            if req.append_token(upd.token_id):
-                self.scheduler.finish_request(req.request_id, _core.FinishReason.STOP)
-                req.finish("stop", stop_string=True)
+            req.on_token()
+            if choice.append_token(upd.token_id):
+                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
+                choice.finish("stop", stop_string=True)
             elif upd.finished:
-                req.finish(upd.finish_reason_str)
-            outputs.append(req.make_output(1))
-            if req.finish_reason is not None:
+                choice.finish(upd.finish_reason_str)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            outputs.append(req.make_output())
+            if req.finished:
                 del self.requests[req.request_id]
         return outputs
 

@@ -39,6 +39,14 @@ class KVCache:
         return (self.store[layer_idx, 0].view(*shape, self.head_dim, self.block_size),
                 self.store[layer_idx, 1].view(*shape, self.block_size, self.head_dim))
 
+    def copy_blocks(self, blocks_to_copy: torch.Tensor) -> None:
+        """Copies whole blocks (every layer, K and V) for copy-on-write.
+
+        blocks_to_copy: [C, 2] int (src, dst) block ids.
+        """
+        src, dst = blocks_to_copy[:, 0].long(), blocks_to_copy[:, 1].long()
+        self.store[:, :, dst] = self.store[:, :, src]
+
     @property
     def nbytes(self) -> int:
         """Size of the store in bytes."""

@@ -69,6 +69,8 @@ class ModelRunner:
             logits [S, vocab] float32, S = len(out.logits_indices), in the
             order of out.sampling_seq_indices.
         """
+        if out.blocks_to_copy.shape[0]:  # copy-on-write decided by the scheduler, before any write
+            self.kv_cache.copy_blocks(torch.from_numpy(out.blocks_to_copy))
         input_ids = torch.from_numpy(out.input_ids).long().unsqueeze(0)
         positions = torch.from_numpy(out.positions).long().unsqueeze(0)
         md = AttentionMetadata(

@@ -31,16 +31,20 @@ class Sampler:
     top-p, then a multinomial draw from the request's own torch.Generator (so a
     seeded request samples the same tokens whatever else is in the batch)."""
 
-    def __call__(self, logits: torch.Tensor, params: list[SamplingParams],
-                 generators: list[torch.Generator | None]) -> list[int]:
-        """logits: [S, V] float32; params, generators: one per row. Returns S token ids."""
-        tokens = torch.argmax(logits, dim=-1).tolist()
-        for i, p in enumerate(params):
+    def __call__(self, logits: torch.Tensor,
+                 rows: list[tuple[SamplingParams, list[torch.Generator | None]]]) -> list[int]:
+        """logits: [S, V] float32; rows: per logits row its SamplingParams and one
+        generator per token to draw from it (several when a request forks into n
+        choices). Returns the tokens, row after row, flat."""
+        argmax = torch.argmax(logits, dim=-1).tolist()
+        tokens = []
+        for i, (p, gens) in enumerate(rows):
             if p.greedy:
+                tokens += [argmax[i]] * len(gens)
                 continue
-            row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-            probs = torch.softmax(row, dim=-1)
+            probs = torch.softmax(apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p), dim=-1)
             if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
+                tokens += [argmax[i]] * len(gens)
                 continue
-            tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]))
+            tokens += [int(torch.multinomial(probs, 1, generator=g)) for g in gens]
         return tokens

@@ -222,17 +222,20 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         gen = engine.generate(ids, params, request_id, req.cache_salt)
         if not req.stream:
             out = await final_output(raw, gen, request_id)
-            c = out.outputs[0]
             return CompletionResponse(id=request_id, model=model_name, usage=usage(out), choices=[
-                CompletionChoice(index=0, text=c.text, finish_reason=c.finish_reason)])
+                CompletionChoice(index=c.index, text=c.text, finish_reason=c.finish_reason) for c in out.outputs])
         first = await start_stream(raw, gen, request_id)
 
         async def stream():
+            done: set[int] = set()
             async for out in outputs_from(first, gen, request_id):
-                c = out.outputs[0]
-                if c.delta_text or c.finish_reason:
+                for c in out.outputs:
+                    if c.index in done or not (c.delta_text or c.finish_reason):
+                        continue
+                    if c.finish_reason:
+                        done.add(c.index)
                     yield sse(CompletionResponse(id=request_id, model=model_name, choices=[
-                        CompletionChoice(index=0, text=c.delta_text, finish_reason=c.finish_reason)]))
+                        CompletionChoice(index=c.index, text=c.delta_text, finish_reason=c.finish_reason)]))
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")
@@ -252,23 +255,28 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
         gen = engine.generate(ids, params, request_id, req.cache_salt)
         if not req.stream:
             out = await final_output(raw, gen, request_id)
-            c = out.outputs[0]
             return ChatCompletionResponse(id=request_id, model=model_name, usage=usage(out), choices=[
-                ChatChoice(index=0, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason)])
+                ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text), finish_reason=c.finish_reason)
+                for c in out.outputs])
         first = await start_stream(raw, gen, request_id)
 
-        def chunk(delta: dict, finish_reason: str | None = None) -> str:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=model_name, choices=[
-                ChatChunkChoice(index=0, delta=delta, finish_reason=finish_reason)]))
+                ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)]))
 
         async def stream():
-            yield chunk({"role": "assistant", "content": ""})
+            for i in range(req.n):
+                yield chunk(i, {"role": "assistant", "content": ""})
+            done: set[int] = set()
             async for out in outputs_from(first, gen, request_id):
-                c = out.outputs[0]
-                if c.delta_text:
-                    yield chunk({"content": c.delta_text})
-                if out.finished:
-                    yield chunk({}, c.finish_reason)
+                for c in out.outputs:
+                    if c.index in done:
+                        continue
+                    if c.delta_text:
+                        yield chunk(c.index, {"content": c.delta_text})
+                    if c.finish_reason:
+                        done.add(c.index)
+                        yield chunk(c.index, {}, c.finish_reason)
             yield "data: [DONE]\n\n"
 
         return StreamingResponse(stream(), media_type="text/event-stream")

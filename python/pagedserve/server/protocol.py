@@ -22,7 +22,7 @@ class _Request(BaseModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
-    n: int = Field(default=1, ge=1, le=1)
+    n: int = Field(default=1, ge=1, le=64)
     seed: int | None = Field(default=None, ge=0, lt=2**63)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
