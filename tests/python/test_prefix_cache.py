@@ -61,10 +61,10 @@ def test_shared_prefix_output_equals_caching_off(setup):
     assert off.engine.prefix_cache_stats.hits == 0
 
 
-def test_prompts_evicting_each_other_still_match_caching_off(tiny_llama_dir):
+def test_prompts_evicting_each_other_still_match_caching_off(setup):
+    kw, vocab = setup
     rng = random.Random(2)
-    kw = dict(model=tiny_llama_dir, skip_tokenizer_init=True)
-    prompts = [rand_prompt(rng, 60, 512) for _ in range(4)] * 2  # each comes back after the others
+    prompts = [rand_prompt(rng, 60, vocab) for _ in range(4)] * 2  # each comes back after the others
     small, off = LLM(**kw, num_kv_blocks=6), LLM(**kw, enable_prefix_caching=False)
     got = [one(small, p).outputs[0].token_ids for p in prompts]
     assert got == [one(off, p).outputs[0].token_ids for p in prompts]
