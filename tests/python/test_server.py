@@ -115,6 +115,7 @@ def test_sse_bytes_end_with_done(server):
     ({"model": MODEL, "prompt": "hi", "max_tokens": MAX_MODEL_LEN}, 400, "maximum context length"),
     ({"model": MODEL, "prompt": list(range(10, 10 + MAX_MODEL_LEN + 1)), "max_tokens": 1}, 400, "context length"),
     ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL, "prompt": []}, 400, "empty"),
     ({"model": MODEL, "messages": []}, 400, "messages"),
     ({"model": MODEL, "prompt": "hi", "seed": 2**64}, 400, "seed"),
     ({"model": MODEL, "prompt": "hi", "max_tokens": 2**40}, 400, "max_tokens"),

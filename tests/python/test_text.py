@@ -67,3 +67,13 @@ def test_no_stop_strings_release_everything():
     m = StopStringMatcher([])
     assert not m.append("anything")
     assert m.releasable() == len("anything")
+
+
+def test_gguf_fingerprint_follows_content_not_location(tmp_path):
+    from pagedserve.model.loader import gguf_fingerprint
+
+    a, b, c = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "c.gguf"
+    a.write_bytes(b"GGUF" + bytes(range(256)) * 100)
+    b.write_bytes(a.read_bytes())
+    c.write_bytes(a.read_bytes()[:-1] + b"x")
+    assert gguf_fingerprint(a) == gguf_fingerprint(b) != gguf_fingerprint(c)

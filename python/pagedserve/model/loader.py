@@ -67,6 +67,19 @@ def default_gguf_path() -> Path:
     raise FileNotFoundError(f"no .gguf file in the '{DEFAULT_MODEL_PACKAGE}' package")
 
 
+def gguf_fingerprint(path: Path, edge_bytes: int = 4 << 20) -> str:
+    """Short content key of a GGUF file: SHA-256 (hashlib) of its size and its first
+    and last edge_bytes bytes, so the same model installed in another virtual
+    environment reuses the converted folder, and a changed file does not."""
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(edge_bytes))
+        f.seek(max(0, size - edge_bytes))
+        h.update(f.read(edge_bytes))
+    return h.hexdigest()[:12]
+
+
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     """Converts a GGUF file into a plain Hugging Face folder (safetensors + tokenizer).
 
@@ -114,8 +127,7 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
         return str(Path(model).resolve()), model.rstrip("/")
     else:
         return model, model
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = gguf_fingerprint(gguf)
     out = cache_dir() / "models" / f"{gguf.stem}-{key}"
     if not (out / "config.json").exists():
         logger.info("converting %s to %s (once)", gguf, out)

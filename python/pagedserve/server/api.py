@@ -114,7 +114,7 @@ def create_app(engine: AsyncLLMEngine) -> FastAPI:
             raise APIError(400, str(e)) from e
 
     def tokenize(prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str) and not prompt:
+        if not prompt:  # "" or []
             raise APIError(400, "the prompt is empty", param="prompt")
         try:
             return core.tokenize(prompt)
