@@ -106,6 +106,17 @@ void block_accumulate(float* acc, float alpha, const float* p, const float* v, i
   }
 }
 
+// The online-softmax update for one row over a block's n scores: turns s into
+// exp(s - m_new), updates the running max m and sum l, returns the factor
+// alpha = exp(m_old - m_new) the accumulator must be scaled by (0 on the first block).
+inline float online_softmax_step(float* s, int n, float* m, float* l) {
+  const float m_new = std::max(*m, block_max(s, n));
+  const float alpha = std::isinf(*m) ? 0.f : std::exp(*m - m_new);
+  *l = *l * alpha + block_exp(s, n, m_new);
+  *m = m_new;
+  return alpha;
+}
+
 // One (query row, KV block) step of the online softmax: scores of the row's
 // query against the block's n visible keys (transposed: kt[i * BS + t]),
 // running max m and sum l, accumulator acc[D] = acc * alpha + p . V.
@@ -121,10 +132,7 @@ inline void row_block_fixed(const float* q, const float* kt, const float* v, int
 #pragma omp simd
     for (int t = 0; t < BS; ++t) s[t] += qi * kt[i * BS + t];
   }
-  const float m_new = std::max(*m, block_max(s, n));
-  const float alpha = std::isinf(*m) ? 0.f : std::exp(*m - m_new);  // 0 on the first block
-  *l = *l * alpha + block_exp(s, n, m_new);
-  *m = m_new;
+  const float alpha = online_softmax_step(s, n, m, l);
   float a[D];
 #pragma omp simd
   for (int i = 0; i < D; ++i) a[i] = acc[i] * alpha;
@@ -254,11 +262,7 @@ class Kernel {
             continue;
           }
           block_scores(qf + r * d, kb, static_cast<int>(n), static_cast<int>(d), static_cast<int>(bs), s);
-          const float m_new = std::max(m[r], block_max(s, static_cast<int>(n)));
-          const float alpha = std::isinf(m[r]) ? 0.f : std::exp(m[r] - m_new);  // 0 on the first block
-          const float sum = block_exp(s, static_cast<int>(n), m_new);
-          l[r] = l[r] * alpha + sum;
-          m[r] = m_new;
+          const float alpha = online_softmax_step(s, static_cast<int>(n), m + r, l + r);
           block_accumulate(acc + r * d, alpha, s, vb, static_cast<int>(n), static_cast<int>(d));
         }
       }

@@ -140,11 +140,12 @@ class LLMEngine:
         if out.empty:
             return []
         logits = self.runner.execute(out)
+        # read each array once: request_ids is converted to a Python list per access
+        request_ids, seq_indices = out.request_ids, out.seq_indices.tolist()
         rows = []
-        for s, b in enumerate(out.sampling_seq_indices.tolist()):
-            req, first = self.requests[out.request_ids[b]], int(out.seq_indices[b])
-            gens = [req.choices[first + j].generator for j in range(int(out.num_samples[s]))]
-            rows.append((req.params, gens))
+        for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
+            req, first = self.requests[request_ids[b]], seq_indices[b]
+            rows.append((req.params, [req.choices[first + j].generator for j in range(k)]))
         sampled = self.sampler(logits, rows)
         touched: dict[str, Request] = {}
         for upd in self.scheduler.update(sampled):
