@@ -230,7 +230,8 @@ PYBIND11_MODULE(_core, m) {
       .def(py::init<const SchedulerConfig&, int32_t, int32_t>(), py::arg("config"),
            py::arg("num_blocks"), py::arg("block_size"))
       .def("add_request", &Scheduler::add_request, py::arg("request_id"),
-           py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "", py::arg("n_seqs") = 1)
+           py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "", py::arg("n_seqs") = 1,
+           py::arg("skip_reading_prefix_cache") = false)
       .def("finish_sequence", &Scheduler::finish_sequence, py::arg("request_id"), py::arg("index"),
            py::arg("reason"))
       .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)

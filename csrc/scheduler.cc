@@ -17,7 +17,8 @@ Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t 
 
 void Scheduler::add_request(const std::string& request_id,
                             const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop,
-                            const std::string& cache_salt, int32_t n_seqs) {
+                            const std::string& cache_salt, int32_t n_seqs,
+                            bool skip_reading_prefix_cache) {
   const auto n = static_cast<int64_t>(prompt_token_ids.size());
   if (n == 0) throw RequestRejectedError("the prompt is empty");
   if (requests_.count(request_id)) {
@@ -50,6 +51,7 @@ void Scheduler::add_request(const std::string& request_id,
   seq->stop = stop;
   seq->cache_salt = cache_salt;
   seq->num_forks = n_seqs;
+  seq->skip_reading_prefix_cache = skip_reading_prefix_cache;
   requests_[request_id].push_back(seq);
   waiting_.push_back(std::move(seq));
 }
@@ -96,7 +98,9 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   while (!preempted && !waiting_.empty() && budget > 0 &&
          static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
     SeqPtr seq = waiting_.front();
-    const PrefixMatch match = kv_.match_prefix(seq->token_ids, seq->cache_salt);
+    const PrefixMatch match = seq->skip_reading_prefix_cache
+                                  ? PrefixMatch{}
+                                  : kv_.match_prefix(seq->token_ids, seq->cache_salt);
     const int32_t num_cached = match.num_tokens(kv_.block_size());
     const int32_t num_new = std::min(seq->num_tokens() - num_cached, budget);
     if (!kv_.can_allocate(num_cached + num_new, match)) break;
@@ -104,7 +108,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
     kv_.allocate(seq->seq_id, num_cached + num_new, match, seq->cache_salt);
     seq->num_computed_tokens = num_cached;
     if (seq->num_cached_tokens < 0) seq->num_cached_tokens = num_cached;
-    if (kv_.prefix_caching_enabled()) {
+    if (kv_.prefix_caching_enabled() && !seq->skip_reading_prefix_cache) {
       prefix_queries_ += seq->num_tokens();
       prefix_hits_ += num_cached;
     }

@@ -59,8 +59,12 @@ class Scheduler {
   // cache_salt: requests with different salts never share cached blocks.
   // n > 1 (parallel sampling): the prompt is prefilled once; at its first sample
   // the sequence forks into n sequences sharing the prompt's blocks.
+  // skip_reading_prefix_cache: compute every prompt token even if cached (the
+  // caller needs logits at every prompt position: prompt logprobs); its blocks
+  // are still cached for later requests (vLLM's skip_reading_prefix_cache).
   void add_request(const std::string& request_id, const std::vector<int32_t>& prompt_token_ids,
-                   const StopCriteria& stop, const std::string& cache_salt = "", int32_t n_seqs = 1);
+                   const StopCriteria& stop, const std::string& cache_salt = "", int32_t n_seqs = 1,
+                   bool skip_reading_prefix_cache = false);
 
   // Decides the next step (see class comment). Empty output when idle.
   std::shared_ptr<SchedulerOutput> schedule();

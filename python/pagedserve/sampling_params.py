@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 _INT32_MAX = 2**31 - 1
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does)
+_MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 
 
 @dataclass
@@ -26,6 +27,28 @@ class SamplingParams:
         stop_token_ids: token ids that end the output (kept in token_ids).
         ignore_eos: keep generating past EOS (benchmarks).
         skip_special_tokens: drop special tokens from the text.
+        presence_penalty: in [-2, 2], logit units; subtracted once from the logit
+            of every token that already appears in this choice's OUTPUT (prompt
+            tokens do not count). > 0 favours new tokens. OpenAI API semantics,
+            as vLLM. 0 = off.
+        frequency_penalty: in [-2, 2], logit units per occurrence; subtracted
+            count(token in this choice's OUTPUT) times from its logit. OpenAI /
+            vLLM. 0 = off.
+        repetition_penalty: in (0, 2] (vLLM only requires > 0; 2 is this
+            server's cap), dimensionless factor; every distinct
+            token of the prompt OR the output has its logit divided by it when
+            positive, multiplied by it otherwise (CTRL, Keskar et al. 2019, as
+            Hugging Face and vLLM). > 1 discourages repeats; 1 = off.
+        min_p: in [0, 1]; after temperature, tokens whose probability is below
+            min_p * (probability of the most likely token) are dropped (vLLM,
+            Nguyen et al. 2024 "min-p sampling"). 0 = off.
+        logprobs: None, or 0..20: per sampled token, return its logprob and the
+            `logprobs` most likely alternatives (0 = only the sampled token's).
+            Natural-log probabilities of the raw model logits, before penalties
+            and temperature (vLLM V1's default "raw_logprobs"; OpenAI's
+            top_logprobs).
+        prompt_logprobs: None, or 0..20: the same for every prompt token after
+            the first (vLLM; OpenAI completions' echo + logprobs).
     Raises:
         ValueError from __post_init__ on an out-of-range value.
     """
@@ -40,6 +63,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +89,17 @@ class SamplingParams:
             raise ValueError(f"max_tokens must be at most {_INT32_MAX}, got {self.max_tokens}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= _MAX_LOGPROBS:
+                raise ValueError(f"{name} must be None or in [0, {_MAX_LOGPROBS}], got {value}")
         bad = [t for t in self.stop_token_ids if not 0 <= t <= _INT32_MAX]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids, got {bad[0]}")
@@ -73,6 +113,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when the next token is the argmax (temperature below 1e-5, where
-        logits / temperature would overflow, or top_k 1)."""
+        """True when the next token is the argmax of the (penalised) logits
+        (temperature below 1e-5, where logits / temperature would overflow, or
+        top_k 1)."""
         return self.temperature < _MIN_TEMPERATURE or self.top_k == 1
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when presence, frequency or repetition penalty is on (the
+        sampler then needs the token history of each choice)."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1

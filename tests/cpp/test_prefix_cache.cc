@@ -171,6 +171,27 @@ TEST(SchedulerPrefix, SamePromptTwiceComputesOnlyTheUncachedTail) {
   EXPECT_EQ(s.kv_cache_manager().num_free_blocks(), s.kv_cache_manager().num_blocks());
 }
 
+TEST(SchedulerPrefix, SkipReadingPrefixCacheComputesTheWholePrompt) {
+  Scheduler s({4, 256, 512, true}, 32, 16);
+  StopCriteria st;
+  st.max_tokens = 1;
+  auto p = tokens(50);
+  s.add_request("a", p, st);
+  s.schedule();
+  s.update({7});  // "a" finished: its 3 full blocks stay cached
+  s.add_request("b", p, st, "", 1, /*skip_reading_prefix_cache=*/true);
+  auto out = s.schedule();
+  ASSERT_EQ(out->num_seqs(), 1);
+  EXPECT_EQ(out->num_computed_tokens[0], 0);
+  EXPECT_EQ(out->num_scheduled_tokens[0], 50);
+  auto ups = s.update({9});
+  EXPECT_EQ(ups[0].num_cached_tokens, 0);
+  EXPECT_EQ(s.prefix_cache_stats().queries, 50);  // "b" never looked up
+  s.add_request("c", p, st);  // an ordinary request still hits
+  out = s.schedule();
+  EXPECT_EQ(out->num_computed_tokens[0], 48);
+}
+
 TEST(KVCacheManagerFork, ForkSharesBlocksAndCopyOnWriteSplitsThePartialOne) {
   KVCacheManager kv(8, 16, true);
   kv.allocate(1, 20);  // blocks: one full, one with 4 tokens

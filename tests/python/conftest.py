@@ -41,3 +41,21 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     return generate_sequential(model, prompts, max_new_tokens, ignore_eos=True)
+
+
+@pytest.fixture(scope="session")
+def server(smollm2_dir):
+    """Base URL of one `python -m pagedserve.server` process serving SmolLM2
+    (max_model_len 2048), shared by the server test modules."""
+    from serverlib import start_server, stop_server
+
+    proc, base = start_server("--max-model-len", "2048", "--log-level", "warning")
+    yield base
+    stop_server(proc)
+
+
+@pytest.fixture
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)

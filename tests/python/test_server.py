@@ -2,68 +2,14 @@
 port, driven by the real `openai` client (and raw httpx where bytes matter)."""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import httpx
-import openai
 import pytest
 
-MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
-MAX_MODEL_LEN = 512
+from serverlib import MODEL, metrics, wait_idle
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def server(smollm2_dir):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.server", "--port", str(port), "--max-model-len", str(MAX_MODEL_LEN),
-         "--log-level", "warning"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server died:\n" + proc.stdout.read().decode())
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    else:
-        proc.kill()
-        raise RuntimeError("server did not start")
-    yield base
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
-
-
-def stats(server):
-    return httpx.get(server + "/stats").json()
-
-
-def wait_idle(server, timeout=5.0):
-    """Waits until no request runs or waits; returns the stats."""
-    deadline = time.time() + timeout
-    while True:
-        s = stats(server)
-        if (s["num_running"] == 0 and s["num_waiting"] == 0) or time.time() > deadline:
-            return s
-        time.sleep(0.05)
+MAX_MODEL_LEN = 2048
 
 
 def ask_paris(client, **kw):
@@ -128,30 +74,46 @@ def test_bad_input_gets_openai_error_and_server_keeps_serving(server, client, bo
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert needle in err["message"] and err["type"]
+    assert httpx.get(server + "/health").status_code == 200
     assert "Paris" in ask_paris(client).choices[0].message.content
-    s = wait_idle(server)
-    assert s["num_free_blocks"] == s["num_kv_blocks"]
+    assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0
 
 
-def test_streaming_client_disconnect_frees_blocks(server):
+def wait_released(base: str, usage_before: float, timeout: float = 1.0) -> dict[str, float]:
+    """Polls /metrics for up to `timeout` s until nothing runs and KV usage is back."""
+    deadline = time.time() + timeout
+    while True:
+        m = metrics(base)
+        done = m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == usage_before
+        if done or time.time() > deadline:
+            return m
+        time.sleep(0.02)
+
+
+def test_stream_closed_after_three_chunks_is_aborted_within_a_second(server):
     before = wait_idle(server)
     with httpx.stream("POST", server + "/v1/completions", timeout=60, json={
-            "model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400,
+            "model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 2000,
             "ignore_eos": True, "stream": True}) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]  # a few events (blank separators included)
-    assert any(g.startswith("data: ") for g in got)
-    s = wait_idle(server, timeout=3)
-    assert s["num_running"] == 0 and s["num_free_blocks"] == before["num_free_blocks"] == s["num_kv_blocks"]
+        events = (line for line in r.iter_lines() if line.startswith("data: "))
+        got = [next(events) for _ in range(3)]
+        assert metrics(server)["vllm:num_requests_running"] == 1
+    assert all(json.loads(g[6:])["choices"][0]["finish_reason"] is None for g in got)
+    m = wait_released(server, before["vllm:kv_cache_usage_perc"])
+    assert m["vllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == before["vllm:kv_cache_usage_perc"]
+    assert m["vllm:request_success_total{finished_reason=abort}"] == \
+        before["vllm:request_success_total{finished_reason=abort}"] + 1
 
 
-def test_non_streaming_client_timeout_frees_blocks(server):
+def test_non_streamed_client_timeout_is_aborted_within_a_second(server):
+    before = wait_idle(server)
     with pytest.raises(httpx.TimeoutException):
         httpx.post(server + "/v1/completions", timeout=1.0, json={
-            "model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 480, "ignore_eos": True})
-    # 480 decode steps take far longer than 3 s: idle this soon means it was aborted
-    s = wait_idle(server, timeout=3)
-    assert s["num_running"] == 0 and s["num_free_blocks"] == s["num_kv_blocks"]
+            "model": MODEL, "prompt": "Count to one thousand:", "max_tokens": 2000, "ignore_eos": True})
+    m = wait_released(server, before["vllm:kv_cache_usage_perc"])
+    assert m["vllm:num_requests_running"] == 0
+    assert m["vllm:kv_cache_usage_perc"] == before["vllm:kv_cache_usage_perc"]
 
 
 def test_tiny_temperature_is_greedy_not_an_error(client):

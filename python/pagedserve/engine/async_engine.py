@@ -80,6 +80,11 @@ class AsyncLLMEngine:
         """Asks the engine thread to abort a request (no-op if it already ended)."""
         self._send(("abort", request_id))
 
+    def abort_all(self) -> None:
+        """Asks the engine thread to abort every request; each waiter gets its final
+        output (finish_reason "abort"), so streams end cleanly (graceful shutdown)."""
+        self._send(("abort_all", None))
+
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stops the engine thread; waiting streams get a RuntimeError."""
         self._stopped = True
@@ -92,15 +97,23 @@ class AsyncLLMEngine:
 
     # ---- the engine thread ------------------------------------------------
     def _drain_inbox(self) -> None:
+        """Applies every queued add/abort, then republishes the scheduler metrics."""
+        drained = False
         while True:
             try:
                 msg = self._inbox.get_nowait()
             except queue.Empty:
+                if drained:
+                    self.engine.observe_scheduler()
                 return
+            drained = True
             request_id = msg[1]
             try:
                 if msg[0] == "add":
                     self.engine.add_request(msg[2], msg[3], request_id, msg[4])
+                elif msg[0] == "abort_all":
+                    for out in self.engine.abort_all():
+                        self._deliver(out.request_id, out)
                 else:
                     self.engine.abort_request(request_id)
             except Exception as e:  # rejected: hand the error to its waiter

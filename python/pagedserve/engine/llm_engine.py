@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 
 import torch
 
 from .. import _core
 from ..config import EngineConfig
 from ..kernels import get_backend
+from ..metrics import EngineMetrics
 from ..model.attention import register as register_attention
 from ..model.kv_cache import KVCache
 from ..model.loader import load_model
 from ..model.runner import ModelRunner, use_onednn_linear
-from ..model.sampler import Sampler
+from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
-from .outputs import RequestOutput
+from .outputs import Logprob, RequestOutput
 from .request import Request
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,7 @@ class LLMEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.metrics = EngineMetrics(self.model_name, self.max_model_len)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
 
@@ -111,7 +114,9 @@ class LLMEngine:
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
                                   params.stop_token_ids)
-        self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n)
+        # prompt logprobs need logits at every prompt position: no prefix-cache reads
+        self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n,
+                                   params.prompt_logprobs is not None)
         self.requests[request_id] = req
         return request_id
 
@@ -128,7 +133,10 @@ class LLMEngine:
             return None
         for choice in req.choices:
             choice.finish("abort")
-        return req.make_output()
+        out = req.make_output()
+        self._observe_finished(req, "abort")
+        self.observe_scheduler()
+        return out
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -139,32 +147,107 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        logits = self.runner.execute(out)
         # read each array once: request_ids is converted to a Python list per access
         request_ids, seq_indices = out.request_ids, out.seq_indices.tolist()
-        rows = []
+        now = time.monotonic()
+        for rid in dict.fromkeys(request_ids):
+            req = self.requests[rid]
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        prompt_rows = self._prompt_logprob_rows(out, request_ids)
+        extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
+        logits, extra_logits = self.runner.execute(out, extra)
+        self._record_prompt_logprobs(prompt_rows, extra_logits)
+
+        rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
         for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
             req, first = self.requests[request_ids[b]], seq_indices[b]
-            rows.append((req.params, [req.choices[first + j].generator for j in range(k)]))
+            choices = [req.choices[first + j] for j in range(k)]
+            rows.append(SamplingRow(req.params, [c.generator for c in choices], req.prompt_token_ids,
+                                    [c.output_token_ids for c in choices]))
+            slots += [(req.request_id, first + j) for j in range(k)]
         sampled = self.sampler(logits, rows)
+        logprob_of = {}
+        for slot, tok, lp, top in zip(slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+            if lp is not None:
+                logprob_of[slot] = Logprob(tok, lp, top or [])
+
         touched: dict[str, Request] = {}
-        for upd in self.scheduler.update(sampled):
+        for upd in self.scheduler.update(sampled.token_ids):
             req = self.requests[upd.request_id]
             choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
-            req.on_token()
-            if choice.append_token(upd.token_id):
+            if choice.append_token(upd.token_id, logprob_of.get((req.request_id, upd.index))):
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop", stop_string=True)
             elif upd.finished:
                 choice.finish(upd.finish_reason_str)
             touched[req.request_id] = req
-        outputs = []
-        for req in touched.values():
+        return self._make_outputs(touched.values(), len(sampled.token_ids))
+
+    def _make_outputs(self, reqs, num_generated: int) -> list[RequestOutput]:
+        """RequestOutputs of the requests that got tokens this step; timings and metrics."""
+        now = time.monotonic()
+        outputs, prompt_tokens, itls = [], 0, []
+        for req in reqs:
+            itl = req.on_tokens(now)
+            if itl is None:  # first token: the prefill is done
+                prompt_tokens += len(req.prompt_token_ids)
+                self.metrics.observe_first_token(now - req.arrival_time,
+                                                 req.first_scheduled_time - req.arrival_time)
+            else:
+                itls.append(itl)
             outputs.append(req.make_output())
             if req.finished:
                 del self.requests[req.request_id]
+                self._observe_finished(req, outputs[-1].outputs[0].finish_reason)
+        self.metrics.observe_tokens(prompt_tokens, num_generated)
+        self.metrics.observe_inter_token(itls)
+        self.observe_scheduler()
         return outputs
+
+    def _prompt_logprob_rows(self, out, request_ids) -> list[tuple[Request, list[int], list[int]]]:
+        """For requests that want prompt logprobs and prefill this step: (request,
+        flat-batch indices of the positions to score, the prompt tokens they predict).
+        Positions already scored (before a preemption) are skipped."""
+        rows = []
+        qsl = None
+        for b, rid in enumerate(request_ids):
+            req = self.requests[rid]
+            if req.prompt_logprobs is None:
+                continue
+            if qsl is None:
+                qsl, computed = out.query_start_loc.tolist(), out.num_computed_tokens.tolist()
+                scheduled = out.num_scheduled_tokens.tolist()
+            n_prompt = len(req.prompt_token_ids)
+            # position p predicts prompt token p + 1; prompt_logprobs holds 1 + scored positions
+            lo = max(computed[b], len(req.prompt_logprobs) - 1)
+            hi = min(computed[b] + scheduled[b], n_prompt - 1)
+            if hi > lo:
+                rows.append((req, [qsl[b] + p - computed[b] for p in range(lo, hi)],
+                             req.prompt_token_ids[lo + 1:hi + 1]))
+        return rows
+
+    def _record_prompt_logprobs(self, rows, extra_logits: torch.Tensor | None) -> None:
+        start = 0
+        for req, idx, targets in rows:
+            chunk = extra_logits[start:start + len(idx)]
+            start += len(idx)
+            lps, tops = compute_prompt_logprobs(chunk, torch.tensor(targets, dtype=torch.long),
+                                                req.params.prompt_logprobs)
+            req.prompt_logprobs += [Logprob(t, lp, top) for t, lp, top in zip(targets, lps, tops)]
+
+    def _observe_finished(self, req: Request, finish_reason: str) -> None:
+        self.metrics.observe_finished(finish_reason, len(req.prompt_token_ids),
+                                      sum(len(c.output_token_ids) for c in req.choices),
+                                      (req.finished_time or time.monotonic()) - req.arrival_time)
+
+    def observe_scheduler(self) -> None:
+        """Publishes the scheduler's gauges and counters to self.metrics."""
+        stats = self.scheduler.prefix_cache_stats
+        self.metrics.observe_scheduler(self.scheduler.num_running, self.scheduler.num_waiting,
+                                       self.scheduler.kv_cache_manager.usage, stats.queries, stats.hits,
+                                       self.scheduler.num_preemptions)
 
     # ---- introspection ---------------------------------------------------
     @property

@@ -6,6 +6,24 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """The log-probability of one token at one position (natural log, float32
+    precision), from the model's raw distribution (log_softmax of the logits
+    before penalties and temperature: vLLM V1's default "raw" logprobs).
+
+    Attributes:
+        token_id: the token at this position (sampled, or the prompt's).
+        logprob: its log-probability (<= 0).
+        top: the most likely (token_id, logprob) pairs at this position,
+            descending; as many as the request asked for (may be empty).
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class CompletionOutput:
     """One generated sequence so far.
 
@@ -16,6 +34,9 @@ class CompletionOutput:
         delta_text: text released by this step.
         delta_token_ids: token ids added by this step.
         finish_reason: None while running, else "stop", "length" or "abort".
+        logprobs: one Logprob per output token so far (None unless
+            SamplingParams.logprobs is set).
+        delta_logprobs: the Logprobs of delta_token_ids (None likewise).
     """
 
     index: int
@@ -24,6 +45,8 @@ class CompletionOutput:
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None
+    delta_logprobs: list[Logprob] | None = None
 
 
 @dataclass
@@ -37,6 +60,9 @@ class RequestOutput:
         outputs: one CompletionOutput per choice.
         finished: True on the last output of the request.
         num_cached_tokens: prompt tokens served from the prefix cache (not computed).
+        prompt_logprobs: per prompt token its Logprob given the tokens before it,
+            None for the first token (nothing predicts it); None unless
+            SamplingParams.prompt_logprobs is set. Complete from the first output on.
         arrival_time, first_token_time, finished_time: time.monotonic() seconds.
     """
 
@@ -46,6 +72,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    prompt_logprobs: list[Logprob | None] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None

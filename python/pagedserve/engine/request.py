@@ -11,7 +11,7 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, RequestOutput
+from .outputs import CompletionOutput, Logprob, RequestOutput
 from .stop import StopStringMatcher
 
 
@@ -27,10 +27,14 @@ class Choice:
     released: int = 0  # characters of stop.text already handed out
     emitted_tokens: int = 0  # output tokens already handed out
     finish_reason: str | None = None
+    logprobs: list[Logprob] | None = None  # one per output token when requested
 
-    def append_token(self, token_id: int) -> bool:
-        """Adds a sampled token and its text; returns True if a stop string ended the output."""
+    def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:
+        """Adds a sampled token (and its Logprob, if the request wants logprobs) and
+        its text; returns True if a stop string ended the output."""
         self.output_token_ids.append(token_id)
+        if self.logprobs is not None and logprob is not None:
+            self.logprobs.append(logprob)
         if self.detokenizer is None:
             return False
         return self.stop.append(self.detokenizer.step(token_id))
@@ -54,21 +58,33 @@ class Choice:
         delta = self.stop.text[self.released:end]
         self.released = end
         new_ids = self.output_token_ids[self.emitted_tokens:]
+        new_logprobs = self.logprobs[self.emitted_tokens:] if self.logprobs is not None else None
         self.emitted_tokens = len(self.output_token_ids)
         return CompletionOutput(index=self.index, text=self.stop.text[:end], token_ids=list(self.output_token_ids),
-                                delta_text=delta, delta_token_ids=new_ids, finish_reason=self.finish_reason)
+                                delta_text=delta, delta_token_ids=new_ids, finish_reason=self.finish_reason,
+                                logprobs=list(self.logprobs) if self.logprobs is not None else None,
+                                delta_logprobs=new_logprobs)
 
 
 @dataclass
 class Request:
+    """One request's Python-side state; times are time.monotonic() seconds.
+
+    prompt_logprobs: [None] + one Logprob per prompt token after the first,
+    filled chunk by chunk while the prompt is prefilled (None when not asked).
+    """
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
     choices: list[Choice]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    prompt_logprobs: list[Logprob | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
 
     @classmethod
@@ -81,16 +97,24 @@ class Request:
                      if tokenizer is not None else None)
             seed = params.choice_seed(i)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop)))
-        return cls(request_id, prompt, prompt_token_ids, params, choices)
+            choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop),
+                                  logprobs=[] if params.logprobs is not None else None))
+        prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        return cls(request_id, prompt, prompt_token_ids, params, choices, prompt_logprobs=prompt_logprobs)
 
     @property
     def finished(self) -> bool:
         return all(c.finish_reason is not None for c in self.choices)
 
-    def on_token(self) -> None:
+    def on_tokens(self, now: float) -> float | None:
+        """Notes that this request got tokens in the step that ended at `now`;
+        returns the time since its previous tokens (inter-token latency, seconds),
+        None for its first token."""
+        previous, self.last_token_time = self.last_token_time, now
         if self.first_token_time is None:
-            self.first_token_time = time.monotonic()
+            self.first_token_time = now
+            return None
+        return now - previous
 
     def make_output(self) -> RequestOutput:
         """This step's RequestOutput: every choice, with its deltas."""
@@ -99,4 +123,5 @@ class Request:
             self.finished_time = time.monotonic()
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.make_output() for c in self.choices], finished, self.num_cached_tokens,
+                             list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
                              self.arrival_time, self.first_token_time, self.finished_time)

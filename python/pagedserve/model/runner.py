@@ -60,14 +60,17 @@ class ModelRunner:
         self.backend = backend
 
     @torch.inference_mode()
-    def execute(self, out) -> torch.Tensor:
+    def execute(self, out, extra_logits_indices: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over all scheduled tokens of all sequences.
 
         Args:
             out: pagedserve._core.SchedulerOutput (numpy views, int32).
+            extra_logits_indices: [E] int64 positions in the flat batch whose
+                logits are wanted too (prompt logprobs), or None.
         Returns:
-            logits [S, vocab] float32, S = len(out.logits_indices), in the
-            order of out.sampling_seq_indices.
+            (logits [S, vocab] float32, S = len(out.logits_indices), in the order
+            of out.sampling_seq_indices; extra logits [E, vocab] float32 or None).
         """
         if out.blocks_to_copy.shape[0]:  # copy-on-write decided by the scheduler, before any write
             self.kv_cache.copy_blocks(torch.from_numpy(out.blocks_to_copy))
@@ -81,6 +84,9 @@ class ModelRunner:
         )
         with forward_context(ForwardContext(md, self.kv_cache, self.backend)):
             hidden = self.decoder(input_ids=input_ids, position_ids=positions,
-                                  use_cache=False).last_hidden_state
-        hidden = hidden[0, torch.from_numpy(out.logits_indices).long()]
-        return self.lm_head(hidden).float()
+                                  use_cache=False).last_hidden_state[0]
+        logits = self.lm_head(hidden[torch.from_numpy(out.logits_indices).long()]).float()
+        extra = None
+        if extra_logits_indices is not None and extra_logits_indices.numel():
+            extra = self.lm_head(hidden[extra_logits_indices]).float()
+        return logits, extra

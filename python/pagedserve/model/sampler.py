@@ -1,10 +1,90 @@
-"""Sampler: next token per sampling sequence from its logits row."""
+"""Sampler: next token per sampling sequence from its logits row, with vLLM's
+penalties, min-p / top-k / top-p, and raw logprobs."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from ..sampling_params import SamplingParams
+
+TopLogprobs = list[tuple[int, float]]
+
+
+@dataclass
+class SamplingRow:
+    """One logits row to sample from.
+
+    Attributes:
+        params: the request's SamplingParams.
+        generators: one per token to draw from this row (several when a request
+            forks into n choices); None draws from torch's global generator.
+        prompt_token_ids: the request's prompt (repetition penalty only).
+        output_token_ids: per draw, that choice's output tokens so far (same
+            length as generators; read only when params.has_penalties).
+    """
+
+    params: SamplingParams
+    generators: list[torch.Generator | None]
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[Sequence[int]]
+
+
+@dataclass
+class SamplerOutput:
+    """The sampled tokens, flat: row after row, draw after draw.
+
+    Attributes:
+        token_ids: the sampled token ids.
+        logprobs: per sampled token its natural-log probability under the raw
+            model logits; None where params.logprobs is None.
+        top_logprobs: per sampled token the params.logprobs most likely
+            (token_id, logprob), descending; None where params.logprobs is None,
+            [] where it is 0.
+    """
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top_logprobs: list[TopLogprobs | None]
+
+
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor | None,
+                    output_token_ids: Sequence[int], params: SamplingParams) -> torch.Tensor:
+    """Repetition, then frequency and presence penalties (vLLM's order).
+
+    logits: [V] raw model logits; prompt_mask: [V] bool, True at the prompt's
+    tokens (needed when repetition_penalty != 1, else may be None);
+    output_token_ids: this choice's output so far, ids < V. Returns a new [V]
+    float32 tensor:
+      repetition (CTRL, Keskar et al. 2019, as HF / vLLM): for each token in the
+        prompt or the output, logit / p if logit > 0 else logit * p;
+      frequency / presence (OpenAI): logit -= frequency_penalty * count
+        + presence_penalty * (count > 0), count over the OUTPUT only.
+    Token ids >= V make torch raise (IndexError or RuntimeError).
+    """
+    x = logits.to(torch.float32, copy=True)
+    out = torch.as_tensor(output_token_ids, dtype=torch.long, device=x.device)
+    if params.repetition_penalty != 1.0:
+        seen = prompt_mask.clone()
+        seen[out] = True
+        rp = params.repetition_penalty
+        x = torch.where(seen, torch.where(x > 0, x / rp, x * rp), x)
+    if params.frequency_penalty != 0.0 or params.presence_penalty != 0.0:
+        counts = torch.bincount(out, minlength=x.numel()).to(x.dtype)
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
+    return x
+
+
+def apply_min_p(logits: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Masks (to -inf) tokens whose probability is below min_p times the top
+    token's (min-p sampling, Nguyen et al. 2024, as vLLM).
+
+    logits: [V] float32, already divided by the temperature. Returns a new tensor.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -26,25 +106,111 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-class Sampler:
-    """Greedy rows by one batched argmax; other rows by temperature, top-k,
-    top-p, then a multinomial draw from the request's own torch.Generator (so a
-    seeded request samples the same tokens whatever else is in the batch)."""
+def _draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
+          argmax: int) -> list[int]:
+    """One token per generator from x ([V] logits, penalised if need be):
+    temperature, min-p, top-k, top-p, softmax, multinomial. argmax: x's argmax,
+    the limit when the tempered logits overflow."""
+    x = x / params.temperature
+    if params.min_p > 0:
+        x = apply_min_p(x, params.min_p)
+    probs = torch.softmax(apply_top_k_top_p(x, params.top_k, params.top_p), dim=-1)
+    if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
+        return [argmax] * len(generators)
+    return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
 
-    def __call__(self, logits: torch.Tensor,
-                 rows: list[tuple[SamplingParams, list[torch.Generator | None]]]) -> list[int]:
-        """logits: [S, V] float32; rows: per logits row its SamplingParams and one
-        generator per token to draw from it (several when a request forks into n
-        choices). Returns the tokens, row after row, flat."""
+
+class Sampler:
+    """Rows without penalties: greedy ones by one batched argmax, the others by
+    temperature, min-p, top-k, top-p, then a multinomial draw from each choice's
+    own torch.Generator (so a seeded request samples the same tokens whatever
+    else is in the batch). Rows with penalties: the same per draw, on logits
+    penalised with that choice's own output (vLLM's order)."""
+
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
+        """logits: [S, V] float32 raw model logits, row i for rows[i].
+
+        Returns one token per generator, flat (row after row, draw after draw),
+        with raw logprobs (log_softmax of these logits, before penalties and
+        temperature: vLLM V1's default) for rows whose params.logprobs is set.
+        Raises ValueError if len(rows) != S or a row's generators and
+        output_token_ids differ in length.
+        """
+        if len(rows) != logits.shape[0]:
+            raise ValueError(f"rows must match the logits rows: {len(rows)} rows, logits {tuple(logits.shape)}")
         argmax = torch.argmax(logits, dim=-1).tolist()
-        tokens = []
-        for i, (p, gens) in enumerate(rows):
-            if p.greedy:
-                tokens += [argmax[i]] * len(gens)
+        tokens: list[int] = []
+        row_tokens: list[list[int]] = []
+        for i, row in enumerate(rows):
+            p, gens = row.params, row.generators
+            if len(row.output_token_ids) != len(gens):
+                raise ValueError(f"row {i}: {len(gens)} generators but {len(row.output_token_ids)} output_token_ids")
+            if not p.has_penalties:
+                drawn = [argmax[i]] * len(gens) if p.greedy else _draw(logits[i], p, gens, argmax[i])
+            else:
+                prompt_mask = None
+                if p.repetition_penalty != 1.0:
+                    prompt_mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
+                    prompt_mask[torch.as_tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
+                drawn = []
+                for g, out in zip(gens, row.output_token_ids):
+                    x = apply_penalties(logits[i], prompt_mask, out, p)
+                    best = int(torch.argmax(x))
+                    drawn += [best] if p.greedy else _draw(x, p, [g], best)
+            tokens += drawn
+            row_tokens.append(drawn)
+        logprobs, top = self._logprobs(logits, rows, row_tokens)
+        return SamplerOutput(tokens, logprobs, top)
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow],
+                  row_tokens: list[list[int]]) -> tuple[list[float | None], list[TopLogprobs | None]]:
+        """Raw logprobs of the sampled tokens and the top alternatives, flat like
+        the tokens; log_softmax only over the rows that asked."""
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs: list[float | None] = []
+        top: list[TopLogprobs | None] = []
+        if not asked:
+            for toks in row_tokens:
+                logprobs += [None] * len(toks)
+                top += [None] * len(toks)
+            return logprobs, top
+        lp = torch.log_softmax(logits[asked].float(), dim=-1)
+        k = min(max(rows[i].params.logprobs for i in asked), lp.shape[1])
+        top_vals, top_ids = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([], [])
+        where = {i: j for j, i in enumerate(asked)}
+        for i, (row, toks) in enumerate(zip(rows, row_tokens)):
+            if i not in where:
+                logprobs += [None] * len(toks)
+                top += [None] * len(toks)
                 continue
-            probs = torch.softmax(apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p), dim=-1)
-            if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
-                tokens += [argmax[i]] * len(gens)
-                continue
-            tokens += [int(torch.multinomial(probs, 1, generator=g)) for g in gens]
-        return tokens
+            j, n = where[i], row.params.logprobs
+            logprobs += lp[j, toks].tolist()
+            alternatives = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+            top += [list(alternatives) for _ in toks]
+        return logprobs, top
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
+                            num_top: int) -> tuple[list[float], list[TopLogprobs]]:
+    """Logprobs of the prompt's tokens (for echo + logprobs; vLLM's
+    prompt_logprobs, raw: no penalties, no temperature).
+
+    logits: [T, V] (float32, or cast to it), row t the model's prediction for
+    target_ids[t]; target_ids: [T] int64 token ids < V; num_top >= 0.
+    Returns (per row the target's natural-log probability, per row the num_top
+    most likely (token_id, logprob), descending; [] when num_top is 0).
+    Raises ValueError on mismatched shapes or a negative num_top.
+    """
+    if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
+        raise ValueError(f"logits must be [T, V] and target_ids [T], got {tuple(logits.shape)} "
+                         f"and {tuple(target_ids.shape)}")
+    if num_top < 0:
+        raise ValueError(f"num_top must be >= 0, got {num_top}")
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    target = lp.gather(1, target_ids.to(device=lp.device, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    k = min(num_top, lp.shape[1])
+    if k == 0:
+        return target, [[] for _ in target]
+    vals, ids = (t.tolist() for t in torch.topk(lp, k, dim=-1))
+    return target, [list(zip(i, v)) for i, v in zip(ids, vals)]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import re
+import signal
 
 from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -42,8 +44,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="turn off prefix caching (reuse of cached K/V blocks of repeated prefixes)")
     p.add_argument("--no-onednn-linear", dest="onednn_linear", action="store_false",
                    help="use torch's default GEMM for linear layers instead of oneDNN")
+    p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer <key>' on /v1/* (default: env PAGEDSERVE_API_KEY)")
+    p.add_argument("--max-request-body-size", type=parse_bytes, default=16 * 2**20,
+                   help="larger request bodies get 413 (default 16MiB)")
+    p.add_argument("--timeout-graceful-shutdown", type=float, default=20.0,
+                   help="on SIGTERM/SIGINT: seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info")
     return p
+
+
+class GracefulServer:
+    """uvicorn.Server whose shutdown (SIGTERM/SIGINT) stops accepting connections,
+    lets running requests finish, and shortly before uvicorn's
+    timeout_graceful_shutdown aborts the ones still running: their clients get a
+    final finish_reason "abort" and a well-formed end instead of a cut connection.
+
+    Built by subclassing lazily (uvicorn is imported only when serving).
+    """
+
+    def __new__(cls, engine, config):
+        import asyncio
+
+        import uvicorn
+
+        class _Server(uvicorn.Server):
+            async def shutdown(self, sockets=None):
+                grace = self.config.timeout_graceful_shutdown
+                handle = None
+                if grace is not None:
+                    handle = asyncio.get_running_loop().call_later(max(0.0, grace - 0.5), engine.abort_all)
+                try:
+                    await super().shutdown(sockets)
+                finally:
+                    if handle is not None:
+                        handle.cancel()
+
+        return _Server(config)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,9 +99,16 @@ def main(argv: list[str] | None = None) -> None:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         attention_backend=args.attention_backend)
     engine = AsyncLLMEngine(LLMEngine(config))
-    app = create_app(engine)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
+    server = GracefulServer(engine, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                                   timeout_graceful_shutdown=args.timeout_graceful_shutdown))
+    # uvicorn handles SIGTERM/SIGINT itself (see GracefulServer), then re-raises the
+    # signal to the handler installed before it: ours only logs, so main() returns
+    # and the process exits 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: logging.getLogger(__name__).info("stopped by signal %d", signum))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        server.run()
     finally:
         engine.shutdown()
 

@@ -1,0 +1,55 @@
+"""Engine Logprobs -> the two OpenAI response shapes: the legacy completions
+object (parallel lists tokens / token_logprobs / top_logprobs / text_offset)
+and chat's list of {token, logprob, bytes, top_logprobs}.
+
+Token strings are each token decoded on its own (a byte-level BPE piece that
+is part of a multi-byte character decodes to U+FFFD; `bytes` in chat is the
+UTF-8 of that string, as vLLM does)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from ..engine.outputs import Logprob
+from .protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+
+TokenText = Callable[[int], str]
+
+
+def completion_logprobs(entries: Sequence[Logprob | None], token_ids: Sequence[int], token_text: TokenText,
+                        text_offset: int = 0) -> CompletionLogprobs:
+    """Completions `logprobs` for tokens token_ids; entries[i] is token i's
+    Logprob, None where nothing predicts it (the first prompt token with echo).
+
+    text_offset: character offset of the first token in the choice's text.
+    top_logprobs holds the top alternatives plus the token itself (so up to
+    logprobs + 1 entries, as OpenAI and vLLM)."""
+    out = CompletionLogprobs()
+    for tok, entry in zip(token_ids, entries):
+        text = token_text(tok)
+        out.tokens.append(text)
+        out.text_offset.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+            continue
+        out.token_logprobs.append(entry.logprob)
+        top = {token_text(t): lp for t, lp in entry.top}
+        top.setdefault(text, entry.logprob)
+        out.top_logprobs.append(top)
+    return out
+
+
+def chat_logprobs(entries: Sequence[Logprob], token_text: TokenText) -> ChatLogprobs:
+    """Chat `logprobs` ({"content": [...]}) of the output tokens in `entries`."""
+    def top(token_id: int, logprob: float) -> ChatTopLogprob:
+        text = token_text(token_id)
+        return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    content = []
+    for e in entries:
+        head = top(e.token_id, e.logprob)
+        content.append(ChatTokenLogprob(token=head.token, logprob=head.logprob, bytes=head.bytes,
+                                        top_logprobs=[top(t, lp) for t, lp in e.top]))
+    return ChatLogprobs(content=content)

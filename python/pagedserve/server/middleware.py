@@ -1,0 +1,113 @@
+"""Pure ASGI middlewares (for app.add_middleware) that answer errors as
+OpenAI-style JSON ({"error": {message, type, param, code}}), like server/api.py."""
+
+from __future__ import annotations
+
+import secrets
+
+from starlette.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+
+def _error(status: int, message: str, type_: str, code: str | None = None,
+           headers: dict[str, str] | None = None) -> JSONResponse:
+    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", ()):
+        if key.lower() == name:
+            return value
+    return None
+
+
+class APIKeyMiddleware:
+    """Requires `Authorization: Bearer <api_key>` on HTTP paths under protected_prefix.
+
+    Anything else (/health, /metrics, /version, /tokenize, CORS preflight OPTIONS
+    requests) stays open. Does nothing when api_key is None. A missing or wrong
+    key gets 401 with type "authentication_error", code "invalid_api_key".
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None, protected_prefix: str = "/v1") -> None:
+        self.app = app
+        self.api_key = api_key.encode() if api_key is not None else None
+        self.prefix = protected_prefix.rstrip("/")
+
+    def _protected(self, scope: Scope) -> bool:
+        path, root = scope["path"], scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root):]
+        return path == self.prefix or path.startswith(self.prefix + "/")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (self.api_key is None or scope["type"] != "http" or scope.get("method") == "OPTIONS"
+                or not self._protected(scope)):
+            await self.app(scope, receive, send)
+            return
+        scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
+        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+            await self.app(scope, receive, send)
+            return
+        message = ("Incorrect API key provided." if token else
+                   "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.")
+        response = _error(401, message, "authentication_error", "invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Answers 413 (type "invalid_request_error") to HTTP requests whose body is over
+    max_body_bytes: at once when Content-Length says so, or, for a body without one
+    (chunked), as soon as the bytes read pass the limit. From then on the app gets
+    http.disconnect instead of more body, and its own response is dropped in favour
+    of the 413 (unless it had already started responding). Other scopes pass through.
+    """
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    def _too_large(self) -> JSONResponse:
+        return _error(413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
+                      "invalid_request_error", "request_too_large")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = _header(scope, b"content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_body_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+
+        received, over, started = 0, False, False
+
+        async def limited_receive() -> Message:
+            nonlocal received, over
+            if over:
+                return {"type": "http.disconnect"}
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    over = True
+                    return {"type": "http.disconnect"}
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            nonlocal started
+            if over and not started:
+                return  # the 413 below replaces the app's answer
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except Exception:
+            if not over or started:
+                raise
+        if over and not started:
+            await self._too_large()(scope, receive, send)

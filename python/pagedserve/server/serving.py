@@ -1,0 +1,224 @@
+"""OpenAIServing: what the completions and chat endpoints share (vLLM's
+serving_engine.py): model check, SamplingParams from a request, refusing
+parameters we do not implement, and running one or several prompts through the
+AsyncLLMEngine with client-disconnect handling.
+
+A client that goes away (streaming or not) has every one of its requests
+aborted, which frees their KV blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+
+from ..engine.async_engine import AsyncLLMEngine
+from ..engine.outputs import RequestOutput
+from ..sampling_params import SamplingParams
+from .errors import APIError, ClientDisconnected
+from .protocol import PromptTokensDetails, UsageInfo, _Request
+
+_DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks its client is still there
+
+
+def sse(obj, exclude: set[str] | None = None) -> str:
+    """One server-sent event: `data: <json>\\n\\n`."""
+    return f"data: {obj.model_dump_json(exclude=exclude)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
+    """Token counts summed over the prompts of one API request."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleaves several output streams as their items arrive: yields
+    (stream index, item). Closing it cancels the pending reads (which aborts
+    the unfinished requests)."""
+    pending = {asyncio.ensure_future(anext(g)): i for i, g in enumerate(gens)}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                pending[asyncio.ensure_future(anext(gens[i]))] = i
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+
+class OpenAIServing:
+    """Shared plumbing of the OpenAI endpoints.
+
+    Args:
+        engine: the AsyncLLMEngine (engine.engine gives the model name,
+            tokenizer and limits).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine) -> None:
+        self.engine = engine
+        self.core = engine.engine
+        self.model_name = self.core.model_name
+
+    # ---- request checks ---------------------------------------------------
+    def check_model(self, name: str | None) -> None:
+        """Raises APIError 404 unless `name` is None or the served model."""
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
+                           "not_found_error", "model", "model_not_found")
+
+    @staticmethod
+    def reject_unsupported(req: _Request) -> None:
+        """Raises APIError 400 naming a parameter that would change the result but
+        is not implemented (silently ignoring it would give a wrong answer)."""
+        def refuse(param: str, why: str = "is not supported by this server"):
+            raise APIError(400, f"`{param}` {why}", param=param, code="unsupported_parameter")
+
+        if req.tools:
+            refuse("tools")
+        if req.functions:
+            refuse("functions")
+        if req.tool_choice not in (None, "none", "auto"):
+            refuse("tool_choice")
+        if req.function_call not in (None, "none", "auto"):
+            refuse("function_call")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            refuse("response_format", "other than {\"type\": \"text\"} is not supported by this server")
+        if req.logit_bias:
+            refuse("logit_bias")
+
+    def sampling_params(self, req: _Request, max_tokens: int | None, prompt_len: int, *,
+                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+        """SamplingParams of one prompt; max_tokens None = what the context leaves
+        (as OpenAI/vLLM). Raises APIError 400 on a value SamplingParams refuses."""
+        if max_tokens is None:
+            max_tokens = max(1, self.core.max_model_len - prompt_len)
+        try:
+            return SamplingParams(
+                n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
+                stop=req.stop or [], stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+
+    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+        """Prompt text or token ids -> token ids. Raises APIError 400 when empty or invalid."""
+        if not prompt:  # "" or []
+            raise APIError(400, f"the prompt is empty", param=param)
+        try:
+            return self.core.tokenize(prompt)
+        except ValueError as e:
+            raise APIError(400, str(e), param=param) from e
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as OpenAI shows it (leading space kept)."""
+        return self.core.tokenizer.decode([token_id]) if self.core.tokenizer is not None else str(token_id)
+
+    # ---- running requests -------------------------------------------------
+    def _submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
+                cache_salt: str | None) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+        ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
+        return ids, [self.engine.generate(p, sp, rid, cache_salt) for p, sp, rid in zip(prompts, params, ids)]
+
+    def _abort(self, ids: list[str]) -> None:
+        for rid in ids:
+            self.engine.abort(rid)  # no-op once finished
+
+    async def _until_disconnect(self, raw: Request, coro, ids: list[str]):
+        """Awaits coro; if the client goes away first, cancels it, aborts the
+        requests and raises ClientDisconnected."""
+        task = asyncio.ensure_future(coro)
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if done:
+                    return task.result()
+                if await raw.is_disconnected():
+                    raise ClientDisconnected(ids[0])
+        finally:
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                self._abort(ids)
+
+    @staticmethod
+    async def _first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+        """Each stream's first output; a rejected request becomes APIError 400
+        (503 when the engine failed or stopped)."""
+        try:
+            return list(await asyncio.gather(*(anext(g) for g in gens)))
+        except ValueError as e:
+            raise APIError(400, str(e)) from e
+        except RuntimeError as e:
+            raise APIError(503, str(e), "service_unavailable") from e
+
+    async def generate_final(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
+                             request_id: str, cache_salt: str | None) -> list[RequestOutput]:
+        """Runs every prompt to its end; returns the final outputs in prompt order.
+
+        Raises:
+            APIError (400 rejected, 503 engine failure), ClientDisconnected.
+        """
+        ids, gens = self._submit(prompts, params, request_id, cache_salt)
+
+        async def consume() -> list[RequestOutput]:
+            final = await self._first_outputs(gens)
+            async for i, out in merge(gens):
+                final[i] = out
+            return final
+
+        try:
+            return await self._until_disconnect(raw, consume(), ids)
+        finally:
+            for g in gens:
+                await g.aclose()
+
+    async def generate_stream(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
+                              request_id: str, cache_salt: str | None
+                              ) -> tuple[list[RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
+        """Starts every prompt and waits for their first outputs (so a rejected
+        request is still a plain 400, not a broken stream). Returns those and an
+        iterator over (prompt index, output) for the rest; closing it (a client
+        that went away) aborts every request.
+
+        Raises:
+            APIError (400 rejected, 503 engine failure), ClientDisconnected.
+        """
+        ids, gens = self._submit(prompts, params, request_id, cache_salt)
+        try:
+            firsts = await self._until_disconnect(raw, self._first_outputs(gens), ids)
+        except BaseException:
+            self._abort(ids)
+            for g in gens:
+                await g.aclose()
+            raise
+
+        async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
+            try:
+                live = [g for g, o in zip(gens, firsts) if not o.finished]
+                index = [i for i, o in enumerate(firsts) if not o.finished]
+                async for j, out in merge(live):
+                    yield index[j], out
+            finally:
+                self._abort(ids)
+                for g in gens:
+                    await g.aclose()
+
+        return firsts, rest()

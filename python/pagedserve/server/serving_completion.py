@@ -1,0 +1,113 @@
+"""POST /v1/completions (vLLM's serving_completion.py): one or several prompts,
+n choices each, echo, logprobs (with echo, the prompt's too), streaming."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..engine.outputs import CompletionOutput, RequestOutput
+from .errors import APIError
+from .logprobs import completion_logprobs
+from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
+from .serving import SSE_DONE, OpenAIServing, sse, usage_of
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Answers CompletionRequests. Choice index = prompt index * n + choice
+    index within that prompt, as OpenAI numbers them."""
+
+    def prompts(self, prompt) -> list[list[int]]:
+        """The request's prompts as token-id lists. Raises APIError 400 (param
+        "prompt") on an empty or invalid one."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [self.tokenize(prompt)]
+        return [self.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+
+    async def create(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.reject_unsupported(req)
+        if req.suffix:
+            raise APIError(400, "`suffix` is not supported by this server", param="suffix",
+                           code="unsupported_parameter")
+        if req.best_of is not None and req.best_of > req.n:
+            raise APIError(400, f"`best_of` ({req.best_of}) above n ({req.n}) is not supported by this server",
+                           param="best_of", code="unsupported_parameter")
+        prompts = self.prompts(req.prompt)
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
+                                       prompt_logprobs=prompt_logprobs) for p in prompts]
+        request_id = random_id("cmpl")
+        if not req.stream:
+            outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt)
+            choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
+                       for c in out.outputs]
+            return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(outs))
+        firsts, rest = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt)
+        return StreamingResponse(self._stream(req, request_id, firsts, rest), media_type="text/event-stream")
+
+    def _prompt_text(self, out: RequestOutput) -> str:
+        if out.prompt is not None:
+            return out.prompt
+        return self.core.tokenizer.decode(out.prompt_token_ids) if self.core.tokenizer is not None else ""
+
+    def _choice(self, index: int, out: RequestOutput, c: CompletionOutput, req: CompletionRequest) -> CompletionChoice:
+        prefix = self._prompt_text(out) if req.echo else ""
+        logprobs = None
+        if req.logprobs is not None:
+            entries, ids = list(c.logprobs or []), list(c.token_ids)
+            if req.echo:
+                entries, ids = list(out.prompt_logprobs or []) + entries, list(out.prompt_token_ids) + ids
+            logprobs = completion_logprobs(entries, ids, self.token_text)
+        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason)
+
+    async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
+                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+        exclude = None if req.include_usage else {"usage"}
+        offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        done: set[int] = set()
+        last = list(firsts)
+
+        def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
+            return sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)]), exclude)
+
+        async def outputs():
+            for i, out in enumerate(firsts):
+                yield i, out
+            async for item in rest:
+                yield item
+
+        try:
+            if req.echo:
+                for i, out in enumerate(firsts):
+                    for c in out.outputs:
+                        index = i * req.n + c.index
+                        lp = None
+                        if req.logprobs is not None:
+                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, self.token_text)
+                            offsets[index] = sum(len(t) for t in lp.tokens)
+                        yield chunk(index, self._prompt_text(out), lp)
+            async for i, out in outputs():
+                last[i] = out
+                for c in out.outputs:
+                    index = i * req.n + c.index
+                    if index in done:
+                        continue
+                    lp = None
+                    if req.logprobs is not None and c.delta_token_ids:
+                        lp = completion_logprobs(c.delta_logprobs or [], c.delta_token_ids, self.token_text,
+                                                 offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
+                    if not (c.delta_text or c.finish_reason or lp):
+                        continue
+                    if c.finish_reason:
+                        done.add(index)
+                    yield chunk(index, c.delta_text, lp, c.finish_reason)
+            if req.include_usage:
+                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage_of(last)))
+            yield SSE_DONE
+        finally:
+            await rest.aclose()
