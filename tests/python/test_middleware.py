@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import httpx
+import pytest
 from fastapi import FastAPI, Request
 
 from pagedserve.server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
@@ -72,8 +73,9 @@ def test_open_paths_need_no_key():
     assert call(app, "GET", "/v1x").status_code == 404  # only /v1 and /v1/... are protected
 
 
-def test_no_api_key_is_a_no_op():
-    app = make_app(api_key=None)
+@pytest.mark.parametrize("key", [None, ""])
+def test_no_api_key_is_a_no_op(key):
+    app = make_app(api_key=key)  # "" too: PAGEDSERVE_API_KEY= set but empty
     assert call(app, "GET", "/v1/x").json() == {"ok": True}
 
 

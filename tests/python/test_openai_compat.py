@@ -141,6 +141,48 @@ def test_empty_prompts_are_400(server, client, path, body, param):
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_one_rejected_prompt_of_several_is_400_and_aborts_the_others(server):
+    before = wait_idle(server)
+    too_long = [11] * (MAX_MODEL_LEN - 8)
+    for stream in (False, True):
+        r = post(server, "/v1/completions", {"model": MODEL, "prompt": [[2, 3, 4], too_long], "max_tokens": 1500,
+                                             "ignore_eos": True, "stream": stream})
+        assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+        m = wait_idle(server, timeout=1.0)
+        assert m["vllm:num_requests_running"] == 0
+        assert m["vllm:kv_cache_usage_perc"] == before["vllm:kv_cache_usage_perc"]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "\ud800", "max_tokens": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "\udfff"}]}),
+    ("/tokenize", {"prompt": "\ud800"}),
+    ("/v1/completions", {"model": MODEL, "prompt": [True, False]}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 5}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}),
+])
+def test_more_bad_input_is_400(server, client, path, body):
+    # json.dumps writes a lone surrogate as \\ud800: valid JSON, not valid Unicode text
+    r = httpx.post(server + path, content=json.dumps(body).encode(),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_developer_role_and_assistant_without_content(client):
+    r = client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, messages=[
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": None}, {"role": "user", "content": "Hi again"}])
+    assert r.usage.completion_tokens >= 1
+
+
+def test_wrong_method_is_405_with_allow(server):
+    r = httpx.get(server + "/v1/completions")
+    assert r.status_code == 405 and r.headers["allow"] == "POST" and r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("headers", [{"content-type": "application/json"}, {}])
 def test_body_that_is_not_json_is_a_json_400(server, headers):
     r = httpx.post(server + "/v1/completions", content=b'{"prompt": "hi",', headers=headers, timeout=30)

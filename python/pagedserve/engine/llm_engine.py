@@ -28,6 +28,8 @@ from .request import Request
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGPROBS_SLICE = 128  # prompt positions scored per lm_head call (memory bound)
+
 
 class LLMEngine:
     """Owns the model, the KV store, the C++ scheduler and the requests.
@@ -134,7 +136,7 @@ class LLMEngine:
         for choice in req.choices:
             choice.finish("abort")
         out = req.make_output()
-        self._observe_finished(req, "abort")
+        self._observe_finished(req)
         self.observe_scheduler()
         return out
 
@@ -156,8 +158,8 @@ class LLMEngine:
                 req.first_scheduled_time = now
         prompt_rows = self._prompt_logprob_rows(out, request_ids)
         extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
-        logits, extra_logits = self.runner.execute(out, extra)
-        self._record_prompt_logprobs(prompt_rows, extra_logits)
+        logits, extra_hidden = self.runner.execute(out, extra)
+        self._record_prompt_logprobs(prompt_rows, extra_hidden)
 
         rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
         for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
@@ -200,7 +202,7 @@ class LLMEngine:
             outputs.append(req.make_output())
             if req.finished:
                 del self.requests[req.request_id]
-                self._observe_finished(req, outputs[-1].outputs[0].finish_reason)
+                self._observe_finished(req)
         self.metrics.observe_tokens(prompt_tokens, num_generated)
         self.metrics.observe_inter_token(itls)
         self.observe_scheduler()
@@ -228,19 +230,26 @@ class LLMEngine:
                              req.prompt_token_ids[lo + 1:hi + 1]))
         return rows
 
-    def _record_prompt_logprobs(self, rows, extra_logits: torch.Tensor | None) -> None:
+    def _record_prompt_logprobs(self, rows, extra_hidden: torch.Tensor | None) -> None:
+        """Scores the rows' prompt positions from their hidden states [E, hidden],
+        _PROMPT_LOGPROBS_SLICE positions at a time (bounded memory: a 2048-token
+        chunk's full logits would be 2048 x vocab floats, 400 MB for SmolLM2)."""
         start = 0
         for req, idx, targets in rows:
-            chunk = extra_logits[start:start + len(idx)]
+            for lo in range(0, len(idx), _PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + _PROMPT_LOGPROBS_SLICE, len(idx))
+                logits = self.runner.compute_logits(extra_hidden[start + lo:start + hi])
+                lps, tops = compute_prompt_logprobs(logits, torch.tensor(targets[lo:hi], dtype=torch.long),
+                                                    req.params.prompt_logprobs)
+                req.prompt_logprobs += [Logprob(t, lp, top) for t, lp, top in zip(targets[lo:hi], lps, tops)]
             start += len(idx)
-            lps, tops = compute_prompt_logprobs(chunk, torch.tensor(targets, dtype=torch.long),
-                                                req.params.prompt_logprobs)
-            req.prompt_logprobs += [Logprob(t, lp, top) for t, lp, top in zip(targets, lps, tops)]
 
-    def _observe_finished(self, req: Request, finish_reason: str) -> None:
-        self.metrics.observe_finished(finish_reason, len(req.prompt_token_ids),
-                                      sum(len(c.output_token_ids) for c in req.choices),
-                                      (req.finished_time or time.monotonic()) - req.arrival_time)
+    def _observe_finished(self, req: Request) -> None:
+        """Per choice, as vLLM counts the n child requests of a parallel-sampling
+        request: its finish reason, the prompt and its output length, the latency."""
+        e2e = (req.finished_time or time.monotonic()) - req.arrival_time
+        for c in req.choices:
+            self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids), len(c.output_token_ids), e2e)
 
     def observe_scheduler(self) -> None:
         """Publishes the scheduler's gauges and counters to self.metrics."""

@@ -70,7 +70,9 @@ class ModelRunner:
                 logits are wanted too (prompt logprobs), or None.
         Returns:
             (logits [S, vocab] float32, S = len(out.logits_indices), in the order
-            of out.sampling_seq_indices; extra logits [E, vocab] float32 or None).
+            of out.sampling_seq_indices; the final hidden states [E, hidden] at
+            extra_logits_indices, or None: compute_logits turns them into logits,
+            a slice at a time, so E x vocab floats never exist at once).
         """
         if out.blocks_to_copy.shape[0]:  # copy-on-write decided by the scheduler, before any write
             self.kv_cache.copy_blocks(torch.from_numpy(out.blocks_to_copy))
@@ -85,8 +87,13 @@ class ModelRunner:
         with forward_context(ForwardContext(md, self.kv_cache, self.backend)):
             hidden = self.decoder(input_ids=input_ids, position_ids=positions,
                                   use_cache=False).last_hidden_state[0]
-        logits = self.lm_head(hidden[torch.from_numpy(out.logits_indices).long()]).float()
+        logits = self.compute_logits(hidden[torch.from_numpy(out.logits_indices).long()])
         extra = None
         if extra_logits_indices is not None and extra_logits_indices.numel():
-            extra = self.lm_head(hidden[extra_logits_indices]).float()
+            extra = hidden[extra_logits_indices]
         return logits, extra
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()

@@ -99,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         attention_backend=args.attention_backend)
     engine = AsyncLLMEngine(LLMEngine(config))
-    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
+    app = create_app(engine, api_key=args.api_key or None,  # an empty key means no key, as vLLM
+                     max_body_bytes=args.max_request_body_size)
     server = GracefulServer(engine, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown))
     # uvicorn handles SIGTERM/SIGINT itself (see GracefulServer), then re-raises the

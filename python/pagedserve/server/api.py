@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine
@@ -81,10 +82,16 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
             raise APIError(400, "give exactly one of `prompt` or `messages`", param="prompt")
         if core.tokenizer is None:
             raise APIError(400, "this server has no tokenizer")
-        if req.messages is not None:
-            ids = chat.render(req.messages, req.add_generation_prompt)
-        else:
-            ids = core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+
+        def encode() -> list[int]:
+            if req.messages is not None:
+                return chat.render(req.messages, req.add_generation_prompt)
+            try:
+                return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+            except (ValueError, TypeError) as e:
+                raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from e
+
+        ids = await run_in_threadpool(encode)  # off the event loop
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids)
 
     @app.post("/detokenize")

@@ -62,8 +62,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, str(exc.detail),
+        resp = error_response(exc.status_code, str(exc.detail),
                               "not_found_error" if exc.status_code == 404 else "invalid_request_error")
+        resp.headers.update(exc.headers or {})  # e.g. Allow on a 405
+        return resp
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception):

@@ -26,13 +26,13 @@ class APIKeyMiddleware:
     """Requires `Authorization: Bearer <api_key>` on HTTP paths under protected_prefix.
 
     Anything else (/health, /metrics, /version, /tokenize, CORS preflight OPTIONS
-    requests) stays open. Does nothing when api_key is None. A missing or wrong
+    requests) stays open. Does nothing when api_key is None or "" (as vLLM). A missing or wrong
     key gets 401 with type "authentication_error", code "invalid_api_key".
     """
 
     def __init__(self, app: ASGIApp, api_key: str | None, protected_prefix: str = "/v1") -> None:
         self.app = app
-        self.api_key = api_key.encode() if api_key is not None else None
+        self.api_key = api_key.encode() if api_key else None
         self.prefix = protected_prefix.rstrip("/")
 
     def _protected(self, scope: Scope) -> bool:

@@ -7,7 +7,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 
 def random_id(prefix: str) -> str:
@@ -39,6 +39,7 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     cache_salt: str | None = None  # requests with different salts never share cached prefixes
     ignore_eos: bool = False
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
@@ -49,6 +50,14 @@ class _Request(BaseModel):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
+    # vLLM extensions that would change the result, not implemented (400 when used):
+    min_tokens: int = 0
+    include_stop_str_in_output: bool = False
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -59,7 +68,7 @@ class CompletionRequest(_Request):
     """POST /v1/completions body. prompt: a string, a list of strings, a list of
     token ids, or a list of token-id lists (one set of n choices per prompt)."""
 
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False  # prepend the prompt to the text (and its logprobs, with logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
     best_of: int | None = Field(default=None, ge=1)
@@ -74,13 +83,21 @@ class ChatContentPart(BaseModel):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "user", "assistant"]
-    content: str | list[ChatContentPart]
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ChatContentPart] | None = None  # None: an assistant turn without text
 
     def text(self) -> str:
+        if self.content is None:
+            return ""
         if isinstance(self.content, str):
             return self.content
         return "".join(p.text for p in self.content)
+
+    @property
+    def template_role(self) -> str:
+        """The role given to the chat template: OpenAI's "developer" is the
+        newer name of "system"."""
+        return "system" if self.role == "developer" else self.role
 
 
 class ChatCompletionRequest(_Request):

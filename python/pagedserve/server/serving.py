@@ -101,31 +101,46 @@ class OpenAIServing:
             refuse("response_format", "other than {\"type\": \"text\"} is not supported by this server")
         if req.logit_bias:
             refuse("logit_bias")
+        if req.min_tokens:
+            refuse("min_tokens")
+        if req.include_stop_str_in_output:
+            refuse("include_stop_str_in_output")
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
+            if getattr(req, name) is not None:
+                refuse(name)
+        if req.stream_options is not None and not req.stream:
+            raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
 
     def sampling_params(self, req: _Request, max_tokens: int | None, prompt_len: int, *,
                         logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams of one prompt; max_tokens None = what the context leaves
         (as OpenAI/vLLM). Raises APIError 400 on a value SamplingParams refuses."""
-        if max_tokens is None:
-            max_tokens = max(1, self.core.max_model_len - prompt_len)
+        if max_tokens is None:  # as many as the context leaves (OpenAI/vLLM)
+            if prompt_len >= self.core.max_model_len:
+                raise APIError(400, f"this model's maximum context length is {self.core.max_model_len} tokens, "
+                                    f"but the prompt has {prompt_len} tokens, leaving no room for output",
+                               param="prompt")
+            max_tokens = self.core.max_model_len - prompt_len
         try:
             return SamplingParams(
                 n=req.n, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
                 stop=req.stop or [], stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
     def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
-        """Prompt text or token ids -> token ids. Raises APIError 400 when empty or invalid."""
+        """Prompt text or token ids -> token ids. Raises APIError 400 when empty or
+        invalid (the tokenizer raises TypeError on text that is not valid Unicode,
+        e.g. a lone surrogate)."""
         if not prompt:  # "" or []
-            raise APIError(400, f"the prompt is empty", param=param)
+            raise APIError(400, "the prompt is empty", param=param)
         try:
             return self.core.tokenize(prompt)
-        except ValueError as e:
-            raise APIError(400, str(e), param=param) from e
+        except (ValueError, TypeError) as e:
+            raise APIError(400, f"cannot tokenize the prompt: {e}", param=param) from e
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI shows it (leading space kept)."""
@@ -161,13 +176,19 @@ class OpenAIServing:
     @staticmethod
     async def _first_outputs(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
         """Each stream's first output; a rejected request becomes APIError 400
-        (503 when the engine failed or stopped)."""
+        (503 when the engine failed or stopped). On any failure the other reads
+        are cancelled and awaited first, so the generators can be closed."""
+        tasks = [asyncio.ensure_future(anext(g)) for g in gens]
         try:
-            return list(await asyncio.gather(*(anext(g) for g in gens)))
+            return list(await asyncio.gather(*tasks))
         except ValueError as e:
             raise APIError(400, str(e)) from e
         except RuntimeError as e:
             raise APIError(503, str(e), "service_unavailable") from e
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate_final(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
                              request_id: str, cache_salt: str | None) -> list[RequestOutput]:
@@ -187,6 +208,7 @@ class OpenAIServing:
         try:
             return await self._until_disconnect(raw, consume(), ids)
         finally:
+            self._abort(ids)
             for g in gens:
                 await g.aclose()
 

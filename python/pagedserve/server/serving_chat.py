@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import RequestOutput
 from .errors import APIError
@@ -35,25 +36,34 @@ class OpenAIServingChat(OpenAIServing):
         tok = self.core.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()} for m in messages],
-                                       tokenize=False, add_generation_prompt=add_generation_prompt)
-        return tok(text, add_special_tokens=False).input_ids
+        if any(m.content is None and m.role != "assistant" for m in messages):
+            raise APIError(400, "only assistant messages may have no content", param="messages")
+        try:
+            text = tok.apply_chat_template([{"role": m.template_role, "content": m.text()} for m in messages],
+                                           tokenize=False, add_generation_prompt=add_generation_prompt)
+            return tok(text, add_special_tokens=False).input_ids
+        except (ValueError, TypeError) as e:  # e.g. text that is not valid Unicode (a lone surrogate)
+            raise APIError(400, f"cannot render the messages: {e}", param="messages") from e
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.reject_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        ids = self.render(req.messages)
+        ids = await run_in_threadpool(self.render, req.messages)  # off the event loop
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs)
         request_id = random_id("chatcmpl")
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt)
-            return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]), choices=[
-                ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                           logprobs=chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
-                           finish_reason=c.finish_reason) for c in out.outputs])
+
+            def response() -> ChatCompletionResponse:
+                return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]), choices=[
+                    ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                               logprobs=chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
+                               finish_reason=c.finish_reason) for c in out.outputs])
+
+            return await run_in_threadpool(response) if req.logprobs else response()
         firsts, rest = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt)
         return StreamingResponse(self._stream(req, request_id, firsts[0], rest), media_type="text/event-stream")
 

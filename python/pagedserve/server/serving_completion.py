@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .errors import APIError
@@ -35,16 +36,23 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, f"`best_of` ({req.best_of}) above n ({req.n}) is not supported by this server",
                            param="best_of", code="unsupported_parameter")
-        prompts = self.prompts(req.prompt)
+        # tokenizing (and below, building a large logprobs response) runs on a worker
+        # thread: the event loop keeps streaming other requests and noticing disconnects
+        prompts = await run_in_threadpool(self.prompts, req.prompt)
         prompt_logprobs = req.logprobs if req.echo else None
         params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
                                        prompt_logprobs=prompt_logprobs) for p in prompts]
         request_id = random_id("cmpl")
         if not req.stream:
             outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt)
-            choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
-                       for c in out.outputs]
-            return CompletionResponse(id=request_id, model=self.model_name, choices=choices, usage=usage_of(outs))
+
+            def response() -> CompletionResponse:
+                choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
+                           for c in out.outputs]
+                return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                          usage=usage_of(outs))
+
+            return await run_in_threadpool(response) if req.logprobs is not None else response()
         firsts, rest = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt)
         return StreamingResponse(self._stream(req, request_id, firsts, rest), media_type="text/event-stream")
 
