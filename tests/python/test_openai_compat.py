@@ -357,3 +357,8 @@ def test_metrics_move_by_the_known_request(server):
         assert delta[h + "_count"] == 1, h
     assert delta["vllm:inter_token_latency_seconds_count"] == 8
     assert after["vllm:num_requests_running"] == 0 and after["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_completions_default_to_16_tokens_like_openai(client):
+    r = client.completions.create(model=MODEL, prompt="Once upon a time", extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"

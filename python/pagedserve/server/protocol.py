@@ -69,6 +69,7 @@ class CompletionRequest(_Request):
     token ids, or a list of token-id lists (one set of n choices per prompt)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)  # OpenAI's and vLLM's default here
     echo: bool = False  # prepend the prompt to the text (and its logprobs, with logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
     best_of: int | None = Field(default=None, ge=1)
