@@ -168,13 +168,11 @@ class Sampler:
         """Raw logprobs of the sampled tokens and the top alternatives, flat like
         the tokens; log_softmax only over the rows that asked."""
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not asked:
+            n = sum(len(toks) for toks in row_tokens)
+            return [None] * n, [None] * n
         logprobs: list[float | None] = []
         top: list[TopLogprobs | None] = []
-        if not asked:
-            for toks in row_tokens:
-                logprobs += [None] * len(toks)
-                top += [None] * len(toks)
-            return logprobs, top
         lp = torch.log_softmax(logits[asked].float(), dim=-1)
         k = min(max(rows[i].params.logprobs for i in asked), lp.shape[1])
         top_vals, top_ids = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([], [])

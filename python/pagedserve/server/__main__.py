@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import re
 import signal
+
+import uvicorn
 
 from ..config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
@@ -54,40 +57,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-class GracefulServer:
+class GracefulServer(uvicorn.Server):
     """uvicorn.Server whose shutdown (SIGTERM/SIGINT) stops accepting connections,
     lets running requests finish, and shortly before uvicorn's
     timeout_graceful_shutdown aborts the ones still running: their clients get a
     final finish_reason "abort" and a well-formed end instead of a cut connection.
 
-    Built by subclassing lazily (uvicorn is imported only when serving).
+    Args:
+        engine: the AsyncLLMEngine the app serves.
+        config: uvicorn.Config of the app.
     """
 
-    def __new__(cls, engine, config):
-        import asyncio
+    def __init__(self, engine, config: uvicorn.Config) -> None:
+        super().__init__(config)
+        self.engine = engine
 
-        import uvicorn
-
-        class _Server(uvicorn.Server):
-            async def shutdown(self, sockets=None):
-                grace = self.config.timeout_graceful_shutdown
-                handle = None
-                if grace is not None:
-                    handle = asyncio.get_running_loop().call_later(max(0.0, grace - 0.5), engine.abort_all)
-                try:
-                    await super().shutdown(sockets)
-                finally:
-                    if handle is not None:
-                        handle.cancel()
-
-        return _Server(config)
+    async def shutdown(self, sockets=None):
+        grace = self.config.timeout_graceful_shutdown
+        handle = None
+        if grace is not None:
+            handle = asyncio.get_running_loop().call_later(max(0.0, grace - 0.5), self.engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if handle is not None:
+                handle.cancel()
 
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    import uvicorn
-
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm_engine import LLMEngine
     from .api import create_app
@@ -99,8 +98,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler=SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens),
         attention_backend=args.attention_backend)
     engine = AsyncLLMEngine(LLMEngine(config))
-    app = create_app(engine, api_key=args.api_key or None,  # an empty key means no key, as vLLM
-                     max_body_bytes=args.max_request_body_size)
+    app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
     server = GracefulServer(engine, uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                                    timeout_graceful_shutdown=args.timeout_graceful_shutdown))
     # uvicorn handles SIGTERM/SIGINT itself (see GracefulServer), then re-raises the

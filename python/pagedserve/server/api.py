@@ -38,7 +38,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
     Args:
         engine: the AsyncLLMEngine to serve.
-        api_key: when set, /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
+        api_key: when set (not None or ""), /v1/* needs `Authorization: Bearer <api_key>` (401 otherwise).
         max_body_bytes: larger request bodies get 413.
     """
     app = FastAPI(title="PagedServe", version=__version__)

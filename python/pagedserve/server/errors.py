@@ -25,9 +25,11 @@ class APIError(Exception):
 
 
 def error_response(status: int, message: str, type_: str = "invalid_request_error",
-                   param: str | None = None, code: str | None = None) -> JSONResponse:
+                   param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """The OpenAI-style error body with HTTP status `status` (and extra headers)."""
     body = ErrorResponse(error=ErrorInfo(message=message, type=type_, param=param, code=code))
-    return JSONResponse(body.model_dump(), status_code=status)
+    return JSONResponse(body.model_dump(), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -62,10 +64,9 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _on_http(request: Request, exc: StarletteHTTPException):
-        resp = error_response(exc.status_code, str(exc.detail),
-                              "not_found_error" if exc.status_code == 404 else "invalid_request_error")
-        resp.headers.update(exc.headers or {})  # e.g. Allow on a 405
-        return resp
+        return error_response(exc.status_code, str(exc.detail),
+                              "not_found_error" if exc.status_code == 404 else "invalid_request_error",
+                              headers=exc.headers)  # e.g. Allow on a 405
 
     @app.exception_handler(Exception)
     async def _on_unexpected(request: Request, exc: Exception):

@@ -1,5 +1,6 @@
 """Pure ASGI middlewares (for app.add_middleware) that answer errors as
-OpenAI-style JSON ({"error": {message, type, param, code}}), like server/api.py."""
+OpenAI-style JSON ({"error": {message, type, param, code}}) through
+errors.error_response, like the app's own error handlers."""
 
 from __future__ import annotations
 
@@ -8,11 +9,7 @@ import secrets
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-
-def _error(status: int, message: str, type_: str, code: str | None = None,
-           headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": type_, "param": None, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+from .errors import error_response
 
 
 def _header(scope: Scope, name: bytes) -> bytes | None:
@@ -52,8 +49,8 @@ class APIKeyMiddleware:
             return
         message = ("Incorrect API key provided." if token else
                    "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.")
-        response = _error(401, message, "authentication_error", "invalid_api_key",
-                          headers={"WWW-Authenticate": "Bearer"})
+        response = error_response(401, message, "authentication_error", code="invalid_api_key",
+                                  headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
 
 
@@ -70,8 +67,8 @@ class BodySizeLimitMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _too_large(self) -> JSONResponse:
-        return _error(413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
-                      "invalid_request_error", "request_too_large")
+        return error_response(413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
+                              code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

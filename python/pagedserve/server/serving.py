@@ -217,8 +217,9 @@ class OpenAIServing:
                               ) -> tuple[list[RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
         """Starts every prompt and waits for their first outputs (so a rejected
         request is still a plain 400, not a broken stream). Returns those and an
-        iterator over (prompt index, output) for the rest; closing it (a client
-        that went away) aborts every request.
+        iterator over (prompt index, output) that yields them again, in prompt
+        order, then the rest as they come; closing it (a client that went away)
+        aborts every request.
 
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
@@ -232,8 +233,10 @@ class OpenAIServing:
                 await g.aclose()
             raise
 
-        async def rest() -> AsyncIterator[tuple[int, RequestOutput]]:
+        async def outputs() -> AsyncIterator[tuple[int, RequestOutput]]:
             try:
+                for i, out in enumerate(firsts):
+                    yield i, out
                 live = [g for g, o in zip(gens, firsts) if not o.finished]
                 index = [i for i, o in enumerate(firsts) if not o.finished]
                 async for j, out in merge(live):
@@ -243,4 +246,4 @@ class OpenAIServing:
                 for g in gens:
                     await g.aclose()
 
-        return firsts, rest()
+        return firsts, outputs()

@@ -64,28 +64,23 @@ class OpenAIServingChat(OpenAIServing):
                                finish_reason=c.finish_reason) for c in out.outputs])
 
             return await run_in_threadpool(response) if req.logprobs else response()
-        firsts, rest = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt)
-        return StreamingResponse(self._stream(req, request_id, firsts[0], rest), media_type="text/event-stream")
+        _, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt)
+        return StreamingResponse(self._stream(req, request_id, outputs), media_type="text/event-stream")
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, first: RequestOutput,
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, request_id: str,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
 
         def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                 ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]), exclude)
 
-        async def outputs():
-            yield first
-            async for _, out in rest:
-                yield out
-
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             done: set[int] = set()
-            last = first
-            async for out in outputs():
+            last: RequestOutput | None = None  # the outputs always hold at least the first one
+            async for _, out in outputs:
                 last = out
                 for c in out.outputs:
                     if c.index in done:
@@ -101,4 +96,4 @@ class OpenAIServingChat(OpenAIServing):
                                               usage=usage_of([last])))
             yield SSE_DONE
         finally:
-            await rest.aclose()
+            await outputs.aclose()

@@ -53,8 +53,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                           usage=usage_of(outs))
 
             return await run_in_threadpool(response) if req.logprobs is not None else response()
-        firsts, rest = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt)
-        return StreamingResponse(self._stream(req, request_id, firsts, rest), media_type="text/event-stream")
+        firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt)
+        return StreamingResponse(self._stream(req, request_id, firsts, outputs), media_type="text/event-stream")
 
     def _prompt_text(self, out: RequestOutput) -> str:
         if out.prompt is not None:
@@ -72,7 +72,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason)
 
     async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
-                      rest: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
         offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         done: set[int] = set()
@@ -81,12 +81,6 @@ class OpenAIServingCompletion(OpenAIServing):
         def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
             return sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
                 index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)]), exclude)
-
-        async def outputs():
-            for i, out in enumerate(firsts):
-                yield i, out
-            async for item in rest:
-                yield item
 
         try:
             if req.echo:
@@ -98,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, self.token_text)
                             offsets[index] = sum(len(t) for t in lp.tokens)
                         yield chunk(index, self._prompt_text(out), lp)
-            async for i, out in outputs():
+            async for i, out in outputs:
                 last[i] = out
                 for c in out.outputs:
                     index = i * req.n + c.index
@@ -118,4 +112,4 @@ class OpenAIServingCompletion(OpenAIServing):
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage_of(last)))
             yield SSE_DONE
         finally:
-            await rest.aclose()
+            await outputs.aclose()
