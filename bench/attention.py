@@ -1,14 +1,18 @@
 """Decode attention over a paged KV cache: latency and peak temporary memory of
-  gather   - gather each sequence's blocks into a contiguous K/V, then
-             torch scaled_dot_product_attention (pagedserve.kernels.torch_ref.dense_attention)
-  torch    - the PyTorch blockwise online-softmax reference (pagedserve.kernels.torch_ref)
-  cpu      - the C++ kernel (pagedserve.kernels.cpu), reading the blocks in place
+  gather        - gather each sequence's blocks into a contiguous K/V, then torch
+                  scaled_dot_product_attention (pagedserve.kernels.torch_ref.dense_attention)
+  <backend>     - every attention backend of the registry that runs here
+                  (pagedserve.kernels), once per kernel variant it has
+                  (cpu:avx512, cpu:avx2, cpu:baseline, ...), reading the blocks in place
 
 Decode step: B sequences of S tokens, one query each, H heads (MHA), D = 64,
-float32, block_size 16, shuffled block tables. Latency: median of --repeats
-calls. Memory: growth of the process's peak resident set during the first call
-of the method in a fresh process (measured, 4 KiB page resolution; inputs are
-allocated and touched before).
+float32, block_size 16, shuffled block tables; K/V written through each
+backend's own reshape_and_cache into its own layout. Latency: median of
+--repeats calls of one layer's paged_attention with the step's plan built once
+(as every layer of a step shares it); the plan's own build time is reported
+apart. Memory: growth of the process's peak resident set during the first call
+in a fresh process (measured, 4 KiB page resolution; inputs are allocated and
+touched before).
 
     python bench/attention.py [--batch 16] [--heads 12] [--seq-lens 128 512 2048]
 """
@@ -25,48 +29,82 @@ import time
 
 import torch
 
-METHODS = ("gather", "torch", "cpu")
+
+def methods() -> list[str]:
+    """'gather' and every (backend[:variant]) that can run here."""
+    from pagedserve.kernels import available_backends, get_backend_class
+
+    out = ["gather"]
+    for name in available_backends("cpu"):
+        variants = [v.name for v in get_backend_class(name).variants() if v.available]
+        out += [f"{name}:{v}" for v in reversed(variants)] if variants else [name]
+    return out
 
 
-def make_inputs(b: int, h: int, s: int, d: int = 64, block_size: int = 16, seed: int = 0):
+def make_inputs(backend_name: str, b: int, h: int, s: int, d: int = 64, block_size: int = 16, seed: int = 0):
+    """(backend, query, k_cache, v_cache, metadata) with the same logical K/V for every backend."""
+    from pagedserve.kernels import get_backend_class
+    from pagedserve.kernels.backend import AttentionMetadata, AttentionSpec
+
     g = torch.Generator().manual_seed(seed)
     nb = (s + block_size - 1) // block_size
     num_blocks = b * nb + 8
-    k_cache = torch.randn(num_blocks, h, d, block_size, generator=g)
-    v_cache = torch.randn(num_blocks, h, block_size, d, generator=g)
     tables = torch.randperm(num_blocks, generator=g)[: b * nb].view(b, nb).to(torch.int32)
+    pos = torch.arange(s)
+    slots = (tables.long()[:, pos // block_size] * block_size + pos % block_size).flatten()
+    keys = torch.randn(b * s, h, d, generator=g)
+    values = torch.randn(b * s, h, d, generator=g)
     query = torch.randn(b, h, d, generator=g)
-    qsl = torch.arange(b + 1, dtype=torch.int32)
-    seq_lens = torch.full((b,), s, dtype=torch.int32)
-    return query, k_cache, v_cache, qsl, seq_lens, tables
+    backend = get_backend_class(backend_name)(AttentionSpec(h, h, d, block_size, num_blocks, torch.float32))
+    k_cache, v_cache = backend.split_kv_cache(backend.allocate_kv_cache(1)[0])
+    backend.reshape_and_cache(keys, values, k_cache, v_cache, slots)
+    md = AttentionMetadata(slots, torch.arange(b + 1, dtype=torch.int32), torch.full((b,), s, dtype=torch.int32),
+                           tables)
+    return backend, query, k_cache, v_cache, md
 
 
-def method_fn(name: str):
-    from pagedserve.kernels import cpu, torch_ref
+def gather_attention(backend, query, k_cache, v_cache, md, scale):
+    """The gather baseline on the torch backend's layout [N, Hkv, block_size, D]."""
+    from pagedserve.kernels.torch_ref import dense_attention
 
-    return {"gather": torch_ref.dense_attention, "torch": torch_ref.paged_attention,
-            "cpu": cpu.paged_attention}[name]
+    keys, values = [], []
+    for b, n in enumerate(md.seq_lens.tolist()):
+        ids = md.block_tables[b, : (n + k_cache.shape[2] - 1) // k_cache.shape[2]].long()
+        keys.append(k_cache[ids].transpose(1, 2).reshape(-1, k_cache.shape[1], k_cache.shape[3])[:n])
+        values.append(v_cache[ids].transpose(1, 2).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:n])
+    return dense_attention(query, keys, values, md.query_start_loc, scale)
 
 
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def worker(name: str, b: int, h: int, s: int, repeats: int) -> dict:
+def worker(method: str, b: int, h: int, s: int, repeats: int) -> dict:
     """Runs in a fresh process: first-call memory growth, then latency."""
-    args = make_inputs(b, h, s)
-    fn = method_fn(name)
-    scale = args[0].shape[-1] ** -0.5
+    name, _, variant = method.partition(":")
+    backend, query, k_cache, v_cache, md = make_inputs("torch" if name == "gather" else name, b, h, s)
+    if variant:
+        type(backend).use_variant(variant)
+    scale = query.shape[-1] ** -0.5
     with torch.inference_mode():
         before = peak_rss_bytes()
-        out = fn(*args, scale)
+        t0 = time.perf_counter()
+        plan = None if name == "gather" else backend.make_plan(md)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+
+        def call():
+            if name == "gather":
+                return gather_attention(backend, query, k_cache, v_cache, md, scale)
+            return backend.paged_attention(query, k_cache, v_cache, plan, scale)
+
+        out = call()
         grown = peak_rss_bytes() - before
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            fn(*args, scale)
+            call()
             times.append(time.perf_counter() - t0)
-    return {"method": name, "seq_len": s, "median_ms": statistics.median(times) * 1e3,
+    return {"method": method, "seq_len": s, "median_ms": statistics.median(times) * 1e3, "plan_ms": plan_ms,
             "peak_mem_bytes": grown, "checksum": float(out.double().sum())}
 
 
@@ -76,6 +114,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--methods", nargs="+", default=None, help="subset of: gather and the backends here")
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -84,26 +123,29 @@ def main() -> None:
 
     from pagedserve.kernels import cpu
 
+    chosen = args.methods or methods()
     rows = {}
     for s in args.seq_lens:
-        for m in METHODS:
+        for m in chosen:
             cmd = [sys.executable, __file__, "--batch", str(args.batch), "--heads", str(args.heads),
                    "--repeats", str(args.repeats), "--worker", m, str(s)]
             rows[(m, s)] = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
     print(f"decode, B={args.batch}, H={args.heads} (MHA), D=64, float32, block_size 16, "
           f"{torch.get_num_threads()} threads; median of {args.repeats} calls; memory = peak RSS growth")
-    print("| S | method | latency (ms) | vs gather | peak temp memory | gather / this |")
-    print("|---:|---|---:|---:|---:|---:|")
+    print("| S | method | latency (ms) | vs gather | plan, once per step (ms) | peak temp memory | gather / this |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
     for s in args.seq_lens:
-        base = rows[("gather", s)]
-        for m in METHODS:
+        base = rows[(chosen[0], s)]
+        for m in chosen:
             r = rows[(m, s)]
             mem = r["peak_mem_bytes"]
             mem_s = f"{mem / 2**20:.2f} MiB" if mem >= 4096 else "< 4 KiB"
             ratio = f"{base['peak_mem_bytes'] / max(mem, 4096):.0f}x" + ("" if mem >= 4096 else " (at least)")
-            print(f"| {s} | {m} | {r['median_ms']:.3f} | {r['median_ms'] / base['median_ms']:.2f} | {mem_s} | {ratio} |")
-        sums = {m: rows[(m, s)]["checksum"] for m in METHODS}
-        assert max(sums.values()) - min(sums.values()) < 1e-2 * max(1.0, abs(sums["gather"])), sums
+            plan = "" if m == "gather" else f"{r['plan_ms']:.3f}"
+            print(f"| {s} | {m} | {r['median_ms']:.3f} | {r['median_ms'] / base['median_ms']:.2f} | {plan} | "
+                  f"{mem_s} | {ratio} |")
+        sums = {m: rows[(m, s)]["checksum"] for m in chosen}
+        assert max(sums.values()) - min(sums.values()) < 1e-2 * max(1.0, abs(sums[chosen[0]])), sums
     print(f"\nC++ kernel scratch per worker thread (its own accounting): "
           f"{cpu.scratch_bytes(args.heads, args.heads, 64, 16)} bytes, the same at every S")
 

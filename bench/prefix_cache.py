@@ -52,11 +52,12 @@ def main() -> None:
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
-    on = LLM(args.model, enable_prefix_caching=True)
-    off = LLM(args.model, enable_prefix_caching=False)
+    on = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True)
+    off = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=False)
     vocab = on.engine.model.config.vocab_size
     system = torch.randint(100, vocab, (args.system_len,), generator=g).tolist()
     prompts = [system + torch.randint(100, vocab, (args.question_len,), generator=g).tolist()
@@ -72,7 +73,8 @@ def main() -> None:
         print(f"caching {name}: {results[name][1]:.2f} s", flush=True)
 
     print(f"\n{args.num_requests} requests, one at a time: {args.system_len}-token shared system prompt + "
-          f"{args.question_len}-token question, {args.output_len} output tokens, greedy, float32, "
+          f"{args.question_len}-token question, {args.output_len} output tokens, greedy, "
+          f"{str(on.engine.dtype).removeprefix('torch.')}, "
           f"{torch.get_num_threads()} threads")
     print("| prefix caching | TTFT median (ms) | TTFT p90 (ms) | total (s) | prompt tokens from cache |")
     print("|---|---:|---:|---:|---:|")

@@ -1,7 +1,7 @@
 """Throughput: sequential HF generate() vs HF static batching vs PagedServe, in one process.
 
 N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
-EOS ignored, float32 (DESIGN's throughput experiment). Each system first runs a
+EOS ignored, float32 (the Hugging Face baselines run in float32 too). Each system first runs a
 short untimed warm-up. Prints tokens/s of each and the ratios, and how many
 PagedServe outputs equal static batching's (float32 rounding differs between a
 padded batch and a packed one, so a near-tie can flip a token).
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
+from pagedserve.kernels import backend_names
 
 
 def main() -> None:
@@ -27,12 +28,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model", default=None)
-    ap.add_argument("--attention-backend", default=None, choices=["cpu", "torch"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
     ap.add_argument("--no-onednn-linear", action="store_true", help="PagedServe with torch's default GEMMs")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
     args = ap.parse_args()
 
-    llm = LLM(args.model, attention_backend=args.attention_backend, onednn_linear=not args.no_onednn_linear)
+    llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
+              onednn_linear=not args.no_onednn_linear)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -62,9 +64,11 @@ def main() -> None:
     same = sum(o.outputs[0].token_ids == s for o, s in zip(outs, static))
 
     static_tps = next(r[2] for r in rows if "static" in r[0])
+    eng = llm.engine
+    variant = type(eng.backend).active_variant()
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"greedy, float32, {torch.get_num_threads()} threads, attention backend "
-          f"{llm.engine.runner.backend.__name__.rsplit('.', 1)[-1]}, oneDNN linear {not args.no_onednn_linear}")
+          f"greedy, float32, {torch.get_num_threads()} threads; PagedServe: attention backend {eng.backend.name}"
+          f"{f' ({variant} kernels)' if variant else ''}, linear layers: {eng.linear_path}")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
     print(f"|---|---:|---:|---:|")
     for name, dt, tps in rows:

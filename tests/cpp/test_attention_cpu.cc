@@ -1,12 +1,20 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
+#include <algorithm>
+#include <iostream>
+#include <random>
+#include <string>
 #include <vector>
 
-#include "attention_cpu.h"
-#include "errors.h"
+#include "backends/cpu/attention_cpu.h"
+#include "backends/cpu/cpu_features.h"
+#include "backends/cpu/cpu_isa.h"
+#include "core/errors.h"
 
 using namespace pagedserve;
+using namespace pagedserve::cpu;
 
 namespace {
 
@@ -39,12 +47,64 @@ struct Tiny {
   }
   TensorArg kc() { return arg(k_cache, {2, 1, 2, 2}, DType::kFloat32, "k_cache"); }
   TensorArg vc() { return arg(v_cache, {2, 1, 2, 2}, DType::kFloat32, "v_cache"); }
+  AttentionPlan plan() {
+    return AttentionPlan(arg(qsl, {2}, DType::kInt32, "qsl"), arg(lens, {1}, DType::kInt32, "seq_lens"),
+                         arg(tables, {1, 2}, DType::kInt32, "block_tables"), 1, 1, 2, 2, 2, true, 2);
+  }
   void run() {
-    paged_attention(arg(out, {1, 1, 2}, DType::kFloat32, "out"), arg(query, {1, 1, 2}, DType::kFloat32, "query"),
-                    kc(), vc(), arg(qsl, {2}, DType::kInt32, "qsl"), arg(lens, {1}, DType::kInt32, "seq_lens"),
-                    arg(tables, {1, 2}, DType::kInt32, "block_tables"), 1.0f, true, 2);
+    plan().run(arg(out, {1, 1, 2}, DType::kFloat32, "out"), arg(query, {1, 1, 2}, DType::kFloat32, "query"), kc(),
+               vc(), 1.0f);
   }
 };
+
+// Restores the active ISA variant after a test that switches it.
+struct IsaGuard {
+  std::string saved = active_isa().name;
+  ~IsaGuard() { set_active_isa(saved); }
+};
+
+// A random mixed batch (decodes, a chunk with earlier context, a long decode
+// that is split along the KV length), run under the active variant.
+std::vector<float> random_case_output(uint32_t seed) {
+  const int64_t H = 8, Hkv = 2, D = 64, bs = 16;
+  std::vector<int32_t> q_lens{1, 24, 1, 5}, seq_lens{77, 64, 700, 130};
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal;
+  int64_t num_blocks = 0;
+  std::vector<int32_t> nb;
+  for (int32_t n : seq_lens) nb.push_back(static_cast<int32_t>((n + bs - 1) / bs)), num_blocks += nb.back();
+  num_blocks += 3;
+  std::vector<int32_t> perm(num_blocks);
+  for (int32_t i = 0; i < num_blocks; ++i) perm[i] = i;
+  std::shuffle(perm.begin(), perm.end(), rng);
+  const int32_t max_blocks = *std::max_element(nb.begin(), nb.end());
+  std::vector<int32_t> tables(seq_lens.size() * max_blocks, -1), qsl{0};
+  std::vector<int64_t> slots;
+  size_t next = 0;
+  for (size_t b = 0; b < seq_lens.size(); ++b) {
+    for (int32_t j = 0; j < nb[b]; ++j) tables[b * max_blocks + j] = perm[next++];
+    for (int32_t p = 0; p < seq_lens[b]; ++p) slots.push_back(tables[b * max_blocks + p / bs] * bs + p % bs);
+    qsl.push_back(qsl.back() + q_lens[b]);
+  }
+  std::vector<float> k_cache(num_blocks * Hkv * D * bs, 0.f), v_cache = k_cache;
+  std::vector<float> key(slots.size() * Hkv * D), value(key.size()), query(qsl.back() * H * D), out(query.size());
+  for (float& x : key) x = normal(rng);
+  for (float& x : value) x = normal(rng);
+  for (float& x : query) x = normal(rng);
+  const int64_t T = static_cast<int64_t>(slots.size());
+  auto kc = arg(k_cache, {num_blocks, Hkv, D, bs}, DType::kFloat32, "k_cache");
+  auto vc = arg(v_cache, {num_blocks, Hkv, bs, D}, DType::kFloat32, "v_cache");
+  reshape_and_cache(arg(key, {T, Hkv, D}, DType::kFloat32, "key"), arg(value, {T, Hkv, D}, DType::kFloat32, "value"),
+                    kc, vc, arg(slots, {T}, DType::kInt64, "slot_mapping"));
+  const int64_t B = static_cast<int64_t>(seq_lens.size());
+  AttentionPlan plan(arg(qsl, {B + 1}, DType::kInt32, "qsl"), arg(seq_lens, {B}, DType::kInt32, "seq_lens"),
+                     arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true, 4);
+  EXPECT_GT(plan.num_split_groups(), 0);  // the long decode is split
+  const int64_t nq = qsl.back();
+  plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
+           0.125f);
+  return out;
+}
 
 }  // namespace
 
@@ -57,27 +117,30 @@ TEST(AttentionCpu, SmallExactCase) {
   EXPECT_NEAR(t.out[1], (2 * e0 + 4 * e1 + 6 * e2) / z, 1e-6);
 }
 
-TEST(AttentionCpu, BlockIdOutOfRangeIsRejected) {
+TEST(AttentionCpu, BlockIdOutOfRangeIsRejectedWhenThePlanIsBuilt) {
   Tiny t;
   t.tables = {1, 7};
-  EXPECT_THROW(t.run(), KernelArgumentError);
+  EXPECT_THROW(t.plan(), KernelArgumentError);
   t.tables = {-1, 0};
-  EXPECT_THROW(t.run(), KernelArgumentError);
+  EXPECT_THROW(t.plan(), KernelArgumentError);
 }
 
 TEST(AttentionCpu, TooFewBlockTableColumnsIsRejected) {
   Tiny t;
   t.lens = {5};  // needs 3 blocks, table has 2 columns
-  EXPECT_THROW(t.run(), KernelArgumentError);
+  EXPECT_THROW(t.plan(), KernelArgumentError);
 }
 
 TEST(AttentionCpu, QueryLongerThanSequenceIsRejected) {
   Tiny t;
   t.lens = {0};
-  EXPECT_THROW(t.run(), KernelArgumentError);
+  EXPECT_THROW(t.plan(), KernelArgumentError);
   t.lens = {3};
-  t.qsl = {0, 2};  // claims 2 query tokens, query has 1
-  EXPECT_THROW(t.run(), KernelArgumentError);
+  t.qsl = {0, 2};  // claims 2 query tokens, query has 1: caught when a layer runs
+  AttentionPlan p = t.plan();
+  EXPECT_THROW(p.run(arg(t.out, {1, 1, 2}, DType::kFloat32, "out"),
+                     arg(t.query, {1, 1, 2}, DType::kFloat32, "query"), t.kc(), t.vc(), 1.0f),
+               KernelArgumentError);
 }
 
 TEST(AttentionCpu, SlotOutOfRangeIsRejectedBeforeWriting) {
@@ -96,16 +159,17 @@ TEST(AttentionCpu, SlotOutOfRangeIsRejectedBeforeWriting) {
 TEST(AttentionCpu, WrongDtypeOrShapeIsRejected) {
   Tiny t;
   std::vector<float> q3(3, 0.f), o3(3, 0.f);
-  EXPECT_THROW(paged_attention(arg(o3, {1, 1, 3}, DType::kFloat32, "out"), arg(q3, {1, 1, 3}, DType::kFloat32, "query"),
-                               t.kc(), t.vc(), arg(t.qsl, {2}, DType::kInt32, "qsl"),
-                               arg(t.lens, {1}, DType::kInt32, "seq_lens"),
-                               arg(t.tables, {1, 2}, DType::kInt32, "block_tables"), 1.0f, true, 1),
+  AttentionPlan p = t.plan();
+  EXPECT_THROW(p.run(arg(o3, {1, 1, 3}, DType::kFloat32, "out"), arg(q3, {1, 1, 3}, DType::kFloat32, "query"),
+                     t.kc(), t.vc(), 1.0f),
                KernelArgumentError);
   std::vector<int64_t> qsl64{0, 1};
-  EXPECT_THROW(paged_attention(arg(t.out, {1, 1, 2}, DType::kFloat32, "out"),
-                               arg(t.query, {1, 1, 2}, DType::kFloat32, "query"), t.kc(), t.vc(),
-                               arg(qsl64, {2}, DType::kInt64, "qsl"), arg(t.lens, {1}, DType::kInt32, "seq_lens"),
-                               arg(t.tables, {1, 2}, DType::kInt32, "block_tables"), 1.0f, true, 1),
+  EXPECT_THROW(AttentionPlan(arg(qsl64, {2}, DType::kInt64, "qsl"), arg(t.lens, {1}, DType::kInt32, "seq_lens"),
+                             arg(t.tables, {1, 2}, DType::kInt32, "block_tables"), 1, 1, 2, 2, 2, true, 1),
+               KernelArgumentError);
+  std::vector<float> small(4, 0.f);  // a cache with fewer blocks than the plan was built for
+  EXPECT_THROW(p.run(arg(t.out, {1, 1, 2}, DType::kFloat32, "out"), arg(t.query, {1, 1, 2}, DType::kFloat32, "query"),
+                     arg(small, {1, 1, 2, 2}, DType::kFloat32, "k_cache"), t.vc(), 1.0f),
                KernelArgumentError);
 }
 
@@ -124,4 +188,60 @@ TEST(AttentionCpu, ScratchDoesNotDependOnSequenceLength) {
   // the signature has no length at all; check it is small and grows with block size
   EXPECT_LT(paged_attention_scratch_bytes(12, 12, 64, 16), 64u * 1024);
   EXPECT_GT(paged_attention_scratch_bytes(12, 12, 64, 32), paged_attention_scratch_bytes(12, 12, 64, 16));
+}
+
+TEST(CpuIsa, TheBestSupportedVariantIsActiveUnlessForced) {
+  const auto& all = compiled_isas();
+  ASSERT_FALSE(all.empty());
+  const char* forced = std::getenv("PAGEDSERVE_CPU_ISA");
+  std::string best;
+  for (const IsaVariant& v : all) {
+    if (v.supported()) best = v.name;
+  }
+  const std::string active = active_isa().name;
+  EXPECT_EQ(active, forced != nullptr && *forced ? std::string(forced) : best);
+  // Runs under emulated CPUs (tests/cpp/CMakeLists.txt) say which variant they expect.
+  if (const char* expect = std::getenv("PAGEDSERVE_EXPECT_ISA")) EXPECT_EQ(active, expect);
+  std::string features;
+  for (const auto& f : cpu_features().names()) features += f + " ";
+  std::cout << "[ isa ] active CPU kernel variant: " << active << " (CPU features: " << features << ")\n";
+  if (cpu_features().x86_64_v4()) EXPECT_TRUE(cpu_features().x86_64_v3());
+}
+
+TEST(CpuIsa, EveryRunnableVariantGivesTheSameResult) {
+  IsaGuard guard;
+  std::vector<float> reference;
+  std::string reference_isa;
+  int ran = 0;
+  for (const IsaVariant& v : compiled_isas()) {
+    if (!v.supported()) {
+      std::cout << "[ isa ] skipped " << v.name << ": this CPU lacks " << v.requires_ << "\n";
+      continue;
+    }
+    set_active_isa(v.name);
+    Tiny t;
+    t.run();
+    const double e0 = std::exp(0.5), e1 = std::exp(-0.5), z = e0 + e1 + 1.0;
+    EXPECT_NEAR(t.out[0], (1 * e0 + 3 * e1 + 5) / z, 1e-6) << v.name;
+    std::vector<float> out = random_case_output(7);
+    if (reference.empty()) {
+      reference = out;
+      reference_isa = v.name;
+    } else {
+      for (size_t i = 0; i < out.size(); ++i) {
+        ASSERT_NEAR(out[i], reference[i], 1e-5) << v.name << " vs " << reference_isa << " at " << i;
+      }
+    }
+    std::cout << "[ isa ] ran " << v.name << "\n";
+    ++ran;
+  }
+  EXPECT_GE(ran, 1);
+}
+
+TEST(CpuIsa, AVariantThisCpuCannotRunIsRefusedNotExecuted) {
+  IsaGuard guard;
+  EXPECT_THROW(set_active_isa("no-such-isa"), InvalidArgumentError);
+  for (const IsaVariant& v : compiled_isas()) {
+    if (!v.supported()) EXPECT_THROW(set_active_isa(v.name), InvalidArgumentError) << v.name;
+  }
 }

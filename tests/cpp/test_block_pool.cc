@@ -2,9 +2,9 @@
 
 #include <algorithm>
 
-#include "block_pool.h"
-#include "block_table.h"
-#include "errors.h"
+#include "core/block_pool.h"
+#include "core/block_table.h"
+#include "core/errors.h"
 
 using namespace pagedserve;
 
@@ -57,7 +57,8 @@ TEST(BlockTable, SlotMath) {
   EXPECT_EQ(t.slot(15), 95);
   EXPECT_EQ(t.slot(16), 32);
   EXPECT_EQ(t.slot(31), 47);
-  EXPECT_THROW(t.slot(32), std::out_of_range);
+  EXPECT_THROW(t.slot(32), InvalidArgumentError);
+  EXPECT_THROW(t.set_block(5, 1), InvalidArgumentError);
   EXPECT_EQ(BlockTable::num_blocks_for(0, 16), 0);
   EXPECT_EQ(BlockTable::num_blocks_for(16, 16), 1);
   EXPECT_EQ(BlockTable::num_blocks_for(17, 16), 2);

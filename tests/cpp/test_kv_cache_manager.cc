@@ -2,8 +2,8 @@
 
 #include <set>
 
-#include "errors.h"
-#include "kv_cache_manager.h"
+#include "core/errors.h"
+#include "core/kv_cache_manager.h"
 
 using namespace pagedserve;
 

@@ -2,11 +2,11 @@
 
 #include <numeric>
 
-#include "errors.h"
-#include "kv_cache_manager.h"
-#include "prefix_cache.h"
-#include "scheduler.h"
-#include "sha256.h"
+#include "core/errors.h"
+#include "core/kv_cache_manager.h"
+#include "core/prefix_cache.h"
+#include "core/scheduler.h"
+#include "core/sha256.h"
 
 using namespace pagedserve;
 
@@ -238,7 +238,7 @@ TEST(SchedulerFork, ParallelSamplingForksAtTheFirstSampleAndCopiesOnWrite) {
   auto out = s.schedule();
   ASSERT_EQ(out->num_samples.size(), 1u);
   EXPECT_EQ(out->num_samples[0], 3);
-  EXPECT_THROW(s.update({1}), std::invalid_argument);
+  EXPECT_THROW(s.update({1}), InvalidArgumentError);
   auto ups = s.update({1, 2, 3});
   ASSERT_EQ(ups.size(), 3u);
   EXPECT_EQ(ups[1].index, 1);

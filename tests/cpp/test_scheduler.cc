@@ -3,8 +3,9 @@
 #include <map>
 #include <set>
 
-#include "errors.h"
-#include "scheduler.h"
+#include "core/errors.h"
+#include "core/model_input.h"
+#include "core/scheduler.h"
 
 using namespace pagedserve;
 
@@ -39,26 +40,29 @@ struct Driver {
     auto out = s.schedule();
     ++steps;
     ASSERT_FALSE(out->empty()) << "scheduler idle while requests remain";
+    const ModelInput in = build_model_input(*out);
     const int32_t B = out->num_seqs();
-    ASSERT_EQ(static_cast<int32_t>(out->query_start_loc.size()), B + 1);
+    ASSERT_EQ(static_cast<int32_t>(in.query_start_loc.size()), B + 1);
     ASSERT_LE(out->total_num_scheduled_tokens(), s.config().max_num_batched_tokens);
     ASSERT_LE(B, s.config().max_num_seqs);
     max_tokens_in_step = std::max<int64_t>(max_tokens_in_step, out->total_num_scheduled_tokens());
-    std::set<int32_t> slots(out->slot_mapping.begin(), out->slot_mapping.end());
+    std::set<int64_t> slots(in.slot_mapping.begin(), in.slot_mapping.end());
     ASSERT_EQ(static_cast<int32_t>(slots.size()), out->total_num_scheduled_tokens());
     for (int32_t b = 0; b < B; ++b) {
-      const int32_t q0 = out->query_start_loc[b];
-      ASSERT_EQ(out->query_start_loc[b + 1] - q0, out->num_scheduled_tokens[b]);
-      ASSERT_EQ(out->seq_lens[b], out->num_computed_tokens[b] + out->num_scheduled_tokens[b]);
+      const int32_t q0 = in.query_start_loc[b];
+      ASSERT_EQ(in.query_start_loc[b + 1] - q0, out->num_scheduled_tokens[b]);
+      ASSERT_EQ(in.seq_lens[b], out->num_computed_tokens[b] + out->num_scheduled_tokens[b]);
       for (int32_t i = 0; i < out->num_scheduled_tokens[b]; ++i) {
         const int32_t pos = out->num_computed_tokens[b] + i;
-        ASSERT_EQ(out->positions[q0 + i], pos);
-        const int32_t blk = out->block_tables[b * out->max_num_blocks_per_seq + pos / 16];
-        ASSERT_EQ(out->slot_mapping[q0 + i], blk * 16 + pos % 16);
+        ASSERT_EQ(in.positions[q0 + i], pos);
+        ASSERT_EQ(in.input_ids[q0 + i], out->token_ids[q0 + i]);
+        const int32_t blk = in.block_tables[b * in.max_num_blocks_per_seq + pos / 16];
+        ASSERT_EQ(blk, out->block_ids[out->block_table_offsets[b] + pos / 16]);
+        ASSERT_EQ(in.slot_mapping[q0 + i], static_cast<int64_t>(blk) * 16 + pos % 16);
       }
     }
     std::vector<int32_t> sampled;
-    for (int32_t idx : out->logits_indices) sampled.push_back(100 + out->positions[idx] % 50);
+    for (int64_t idx : in.logits_indices) sampled.push_back(100 + static_cast<int32_t>(in.positions[idx] % 50));
     for (const auto& u : s.update(sampled)) {
       outputs[u.request_id].push_back(u.token_id);
       if (u.finish_reason != FinishReason::kNone) finish[u.request_id] = finish_reason_str(u.finish_reason);
@@ -141,7 +145,8 @@ TEST(Scheduler, LongPromptIsChunkedAndMixedWithDecodes) {
   EXPECT_EQ(out->request_ids[0], "short");
   EXPECT_EQ(out->num_scheduled_tokens[0], 1);
   EXPECT_EQ(out->num_scheduled_tokens[1], 15);
-  EXPECT_EQ(out->logits_indices.size(), 1u);  // the chunk does not sample
+  EXPECT_EQ(out->sampling_seq_indices.size(), 1u);  // the chunk does not sample
+  EXPECT_EQ(build_model_input(*out).logits_indices, (std::vector<int64_t>{0}));
   s.update({124});
   Driver d{s};
   d.run();
@@ -187,8 +192,9 @@ TEST(Scheduler, PreemptedSequenceKeepsItsTokensAndGoesToHeadOfWaiting) {
     auto out = s.schedule();
     ++d.steps;
     for (auto& id : out->preempted_request_ids) preempted.push_back(id);
+    const ModelInput in = build_model_input(*out);
     std::vector<int32_t> sampled;
-    for (int32_t idx : out->logits_indices) sampled.push_back(100 + out->positions[idx] % 50);
+    for (int64_t idx : in.logits_indices) sampled.push_back(100 + static_cast<int32_t>(in.positions[idx] % 50));
     for (const auto& u : s.update(sampled)) d.outputs[u.request_id].push_back(u.token_id);
   }
   ASSERT_FALSE(preempted.empty());
@@ -244,8 +250,8 @@ TEST(Scheduler, UpdateChecksTheSampledCount) {
   Scheduler s({4, 64, 256}, 16, 16);
   s.add_request("a", prompt(3), stop_after(3));
   s.schedule();
-  EXPECT_THROW(s.update({}), std::invalid_argument);
-  EXPECT_THROW(s.update({1, 2}), std::invalid_argument);
+  EXPECT_THROW(s.update({}), InvalidArgumentError);
+  EXPECT_THROW(s.update({1, 2}), InvalidArgumentError);
   s.update({5});
   EXPECT_EQ(s.output_token_ids("a"), (std::vector<int32_t>{5}));
 }
@@ -263,4 +269,34 @@ TEST(Scheduler, ManyRequestsUnderPressureAllFinishAndFreeEverything) {
   for (auto& [id, nm] : spec) EXPECT_EQ(d.outputs[id], expected_output(nm.first, nm.second)) << id;
   EXPECT_GT(s.num_preemptions(), 0);
   expect_all_free(s);
+}
+
+TEST(Scheduler, BadConfigIsATypedError) {
+  EXPECT_THROW(Scheduler({0, 64, 256}, 16, 16), InvalidArgumentError);
+  EXPECT_THROW(Scheduler({4, 0, 256}, 16, 16), InvalidArgumentError);
+  EXPECT_THROW(Scheduler({4, 64, 256}, 0, 16), BlockPoolError);
+}
+
+TEST(ModelInput, SlotMappingIsInt64FromTheBlockTable) {
+  // a block id whose slots pass 2^31: no narrowing between the table and the kernel
+  SchedulerOutput out;
+  out.block_size = 32;
+  out.request_ids = {"a"};
+  out.seq_indices = {0};
+  out.num_scheduled_tokens = {2};
+  out.num_computed_tokens = {31};
+  out.token_ids = {7, 8};
+  out.block_ids = {5, 80000000};
+  out.block_table_offsets = {0, 2};
+  out.sampling_seq_indices = {0};
+  out.num_samples = {1};
+  const ModelInput in = build_model_input(out);
+  EXPECT_EQ(in.slot_mapping, (std::vector<int64_t>{5 * 32 + 31, int64_t{80000000} * 32}));
+  EXPECT_EQ(in.positions, (std::vector<int64_t>{31, 32}));
+  EXPECT_EQ(in.input_ids, (std::vector<int64_t>{7, 8}));
+  EXPECT_EQ(in.seq_lens, (std::vector<int32_t>{33}));
+  EXPECT_EQ(in.logits_indices, (std::vector<int64_t>{1}));
+  out.block_ids = {5};  // too few blocks for 33 tokens
+  out.block_table_offsets = {0, 1};
+  EXPECT_THROW(build_model_input(out), InvalidArgumentError);
 }

@@ -6,6 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.kernels import register_backend
+
+# A backend that lives only in the tests (fake_backend.py): its one registry
+# entry must bring it to the CLI choices, the parity suite and the engine.
+register_backend("fake", "fake_backend:FakeGatherBackend")
+
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory):
@@ -46,10 +52,10 @@ def hf_greedy(model_dir: str, prompts: list[list[int]], max_new_tokens: int) -> 
 @pytest.fixture(scope="session")
 def server(smollm2_dir):
     """Base URL of one `python -m pagedserve.server` process serving SmolLM2
-    (max_model_len 2048), shared by the server test modules."""
+    (float32 whatever the CPU, max_model_len 2048), shared by the server test modules."""
     from serverlib import start_server, stop_server
 
-    proc, base = start_server("--max-model-len", "2048", "--log-level", "warning")
+    proc, base = start_server("--dtype", "float32", "--max-model-len", "2048", "--log-level", "warning")
     yield base
     stop_server(proc)
 

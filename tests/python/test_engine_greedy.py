@@ -32,7 +32,7 @@ def tiny_reference(tiny_llama_dir):
 
 def test_tiny_llama_batched_and_chunked_equals_hf(tiny_llama_dir, tiny_reference):
     prompts, want = tiny_reference
-    llm = LLM(tiny_llama_dir, max_num_batched_tokens=64, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, skip_tokenizer_init=True)
     assert run(llm, prompts, 24) == want
     assert llm.engine.num_preemptions == 0
 
@@ -41,14 +41,14 @@ def test_tiny_llama_batched_and_chunked_equals_hf(tiny_llama_dir, tiny_reference
 def test_tiny_llama_with_preemption_equals_hf(tiny_llama_dir, tiny_reference, block_size):
     prompts, want = tiny_reference
     # 224 tokens of KV: the 200+24-token request just fits, all 8 together do not
-    llm = LLM(tiny_llama_dir, max_num_batched_tokens=64, num_kv_blocks=224 // block_size,
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, num_kv_blocks=224 // block_size,
               block_size=block_size, skip_tokenizer_init=True)
     assert run(llm, prompts, 24) == want
     assert llm.engine.num_preemptions > 0
 
 
 def test_abort_in_every_state_frees_all_blocks(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, max_num_batched_tokens=32, max_num_seqs=2, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=32, max_num_seqs=2, skip_tokenizer_init=True)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
     ids = [eng.add_request(list(range(3, 3 + n)), params) for n in (100, 5, 7)]
@@ -67,7 +67,7 @@ def test_abort_in_every_state_frees_all_blocks(tiny_llama_dir):
 
 
 def test_rejected_requests_leave_nothing_behind(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, num_kv_blocks=4, max_model_len=100, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", num_kv_blocks=4, max_model_len=100, skip_tokenizer_init=True)
     for prompt, mt in [([], 4), (list(range(3, 99)), 8), (list(range(3, 70)), 1), ([3, 600], 2)]:
         with pytest.raises(ValueError):
             llm.generate([prompt], SamplingParams(max_tokens=mt), use_tqdm=False)
@@ -78,19 +78,19 @@ def test_rejected_requests_leave_nothing_behind(tiny_llama_dir):
 def test_smollm2_batched_chunked_preempted_equals_hf(smollm2_dir):
     prompts = make_prompts(49152, seed=1)
     want = hf_greedy(smollm2_dir, prompts, 12)
-    llm = LLM(max_num_batched_tokens=64)
+    llm = LLM(dtype="float32", max_num_batched_tokens=64)
     assert run(llm, prompts, 12) == want
     # all 8 together need 44 blocks of 16; 24 blocks hold the largest (212 tokens)
     # but not all at once: preemption
-    small = LLM(max_num_batched_tokens=64, num_kv_blocks=24)
+    small = LLM(dtype="float32", max_num_batched_tokens=64, num_kv_blocks=24)
     assert run(small, prompts, 12) == want
     assert small.engine.num_preemptions > 0
 
 
 def test_smollm2_cpu_kernel_equals_torch_reference_backend(smollm2_dir):
     prompts = make_prompts(49152, seed=2)
-    cpu_out = run(LLM(max_num_batched_tokens=64), prompts, 10)
-    torch_out = run(LLM(max_num_batched_tokens=64, attention_backend="torch"), prompts, 10)
+    cpu_out = run(LLM(dtype="float32", max_num_batched_tokens=64), prompts, 10)
+    torch_out = run(LLM(dtype="float32", max_num_batched_tokens=64, attention_backend="torch"), prompts, 10)
     assert cpu_out == torch_out
 
 
@@ -101,7 +101,7 @@ def test_the_model_reads_its_kv_only_from_the_paged_store(tiny_llama_dir):
     prompt = list(range(10, 60))
 
     def generate(wipe_after_steps=None):
-        eng = LLM(tiny_llama_dir, skip_tokenizer_init=True).engine
+        eng = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True).engine
         eng.add_request(prompt, params, "r")
         tokens, steps = [], 0
         while eng.has_unfinished_requests():
@@ -118,7 +118,7 @@ def test_the_model_reads_its_kv_only_from_the_paged_store(tiny_llama_dir):
 
 def test_bfloat16_engine_runs_on_both_backends(tiny_llama_dir, tiny_reference):
     prompts, want = tiny_reference
-    outs = {b: run(LLM(tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=64, skip_tokenizer_init=True,
+    outs = {b: run(LLM(model=tiny_llama_dir, dtype="bfloat16", max_num_batched_tokens=64, skip_tokenizer_init=True,
                        attention_backend=b), prompts, 24) for b in ("cpu", "torch")}
     assert all(len(o) == 24 for o in outs["cpu"])
     # bfloat16 rounds differently from the float32 reference: most, not all, tokens
@@ -132,7 +132,7 @@ def test_bfloat16_engine_runs_on_both_backends(tiny_llama_dir, tiny_reference):
 def test_a_request_that_fails_to_build_leaves_nothing_in_the_scheduler(tiny_llama_dir, monkeypatch):
     from pagedserve.engine import llm_engine
 
-    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
 
     def broken(*args, **kwargs):
         raise RuntimeError("request state failure")

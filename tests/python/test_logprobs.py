@@ -43,7 +43,7 @@ def check(out, model, num_top: int) -> None:
 def test_prompt_and_output_logprobs_through_chunks_and_a_warm_cache(tiny_llama_dir, tiny):
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(n)] for n in (70, 33, 5)]
-    llm = LLM(tiny_llama_dir, max_num_batched_tokens=24, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=24, skip_tokenizer_init=True)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=3)
     llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0), use_tqdm=False)  # cache the prompts
     for out in llm.generate(prompts, params, use_tqdm=False):
@@ -56,7 +56,7 @@ def test_prompt_and_output_logprobs_through_chunks_and_a_warm_cache(tiny_llama_d
 def test_prompt_logprobs_survive_preemption(tiny_llama_dir, tiny):
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 512) for _ in range(40)] for _ in range(6)]
-    llm = LLM(tiny_llama_dir, max_num_batched_tokens=64, num_kv_blocks=14, block_size=16,
+    llm = LLM(model=tiny_llama_dir, dtype="float32", max_num_batched_tokens=64, num_kv_blocks=14, block_size=16,
               skip_tokenizer_init=True)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=1, prompt_logprobs=1)
     outs = llm.generate(prompts, params, use_tqdm=False)

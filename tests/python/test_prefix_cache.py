@@ -28,9 +28,9 @@ def rand_prompt(rng, n, vocab):
 @pytest.fixture(params=["tiny", "smollm2"])
 def setup(request, tiny_llama_dir):
     if request.param == "tiny":
-        return dict(model=tiny_llama_dir, skip_tokenizer_init=True), 512
+        return dict(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True), 512
     request.getfixturevalue("smollm2_dir")
-    return dict(), 49152
+    return dict(dtype="float32"), 49152
 
 
 @pytest.mark.parametrize("n", [50, 64])  # 64 = an exact multiple of block_size
@@ -72,7 +72,7 @@ def test_prompts_evicting_each_other_still_match_caching_off(setup):
 
 
 def test_different_cache_salts_never_share(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
     prompt = list(range(10, 80))
     assert one(llm, prompt, "alice").num_cached_tokens == 0
     assert one(llm, prompt, "bob").num_cached_tokens == 0
@@ -100,7 +100,7 @@ def test_n2_greedy_gives_two_copies_of_n1(setup):
 
 
 def test_n4_sampled_with_seed_is_reproducible_and_copy_on_write_keeps_choices_apart(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
     prompt = rand_prompt(random.Random(6), 37, 512)
     params = dict(temperature=1.0, max_tokens=20, ignore_eos=True)
     four = choices(llm, prompt, SamplingParams(n=4, seed=42, **params))
@@ -114,7 +114,7 @@ def test_n4_sampled_with_seed_is_reproducible_and_copy_on_write_keeps_choices_ap
 
 
 def test_abort_of_a_forked_request_frees_every_block(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
     eng = llm.engine
     rid = eng.add_request(list(range(5, 30)), SamplingParams(n=3, temperature=1.0, max_tokens=50, ignore_eos=True))
     for _ in range(4):

@@ -43,7 +43,7 @@ def test_greedy_rows_take_argmax_and_sampled_rows_stay_in_top_k():
 
 
 def test_seed_reproducible_whatever_else_is_in_the_batch(tiny_llama_dir):
-    llm = LLM(tiny_llama_dir, skip_tokenizer_init=True)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)
     other = SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)
     prompt = [5, 6, 7, 8, 9]

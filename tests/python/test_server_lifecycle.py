@@ -21,7 +21,7 @@ KEY = "sk-test-123"
 
 @pytest.fixture(scope="module")
 def keyed_server(smollm2_dir):
-    proc, base = start_server("--max-model-len", "2048", "--log-level", "warning", "--max-request-body-size",
+    proc, base = start_server("--dtype", "float32", "--max-model-len", "2048", "--log-level", "warning", "--max-request-body-size",
                               "64KiB", "--timeout-graceful-shutdown", "4", env={"PAGEDSERVE_API_KEY": KEY})
     yield proc, base
     if proc.poll() is None:

@@ -1,6 +1,7 @@
 """LLMEngine: the synchronous step loop (nano-vllm's LLMEngine, vLLM's EngineCore).
 
-One step = C++ Scheduler.schedule() -> ModelRunner.execute() (one forward pass
+One step = C++ Scheduler.schedule() (the decision) -> _core.ModelInput (its
+layout for the model) -> ModelRunner.execute() (one forward pass
 over every scheduled token) -> Sampler -> C++ Scheduler.update() -> detokenize,
 stop strings, RequestOutputs.
 """
@@ -9,17 +10,22 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 
 import torch
 
 from .. import _core
-from ..config import EngineConfig
-from ..kernels import get_backend
+from ..config import EngineArgs
+from ..errors import ModelLoadError
+from ..hardware import cpu_capabilities, resolve_dtype
+from ..kernels import resolve_backend
+from ..kernels.backend import AttentionSpec
 from ..metrics import EngineMetrics
 from ..model.attention import register as register_attention
+from ..model.features import attention_features, unsupported_model_features
 from ..model.kv_cache import KVCache
-from ..model.loader import load_model
+from ..model.loader import load_config, load_model
 from ..model.runner import ModelRunner, use_onednn_linear
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
@@ -37,43 +43,82 @@ class LLMEngine:
     Not thread-safe: one thread calls add_request / abort_request / step
     (AsyncLLMEngine serialises the server's calls onto its engine thread).
 
+    Start-up decides, logs and keeps: the dtype (``self.dtype``, "auto"
+    resolved from the CPU), the attention backend class and its kernel variant,
+    the linear-layer path; then it runs one tiny step so anything that cannot
+    run on this machine fails here, not at the first request.
+
     Args:
-        config: EngineConfig.
+        args: EngineArgs (defaults when None).
     Raises:
-        ValueError on a bad config; whatever transformers raises if the model
-        cannot be loaded.
+        ValueError on a bad argument; pagedserve.errors.ModelLoadError for a
+        checkpoint that does not match its model or a model whose attention no
+        backend can compute; pagedserve.errors.BackendUnavailableError (a
+        ValueError) when the chosen backend cannot serve this device, dtype or
+        model; whatever transformers raises if the model cannot be loaded.
     """
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
-        self.config = config = config or EngineConfig()
-        loaded = load_model(config.model.model, dtype=config.model.torch_dtype,
-                            attn_implementation=register_attention(),
-                            skip_tokenizer_init=config.model.skip_tokenizer_init)
+    def __init__(self, args: EngineArgs | None = None) -> None:
+        self.args = args = args or EngineArgs()
+        self.device = torch.device(args.device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
+        if self.device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("device 'mps' asked for, but torch sees no MPS device")
+        self.dtype, why_dtype = resolve_dtype(args.dtype, args.device)
+        path, name, hf_config = load_config(args.model)
+        hf = hf_config.get_text_config()
+        max_model_len = args.max_model_len or getattr(hf, "max_position_embeddings", None)
+        features = attention_features(hf_config, max_model_len or sys.maxsize)
+        refused = unsupported_model_features(hf_config) + features.describe()
+        if unsupported_model_features(hf_config):
+            raise ModelLoadError(f"{name} needs {', '.join(refused)}, which PagedServe does not implement")
+        backend_cls = resolve_backend(args.attention_backend, self.device, self.dtype, features)
+        if max_model_len is None:
+            raise ValueError(f"{name}'s config sets no max_position_embeddings: give max_model_len")
+        self.max_model_len = int(max_model_len)
+        variant = backend_cls.active_variant()  # raises for a kernel variant this CPU cannot run
+        loaded = load_model(path, name, hf_config, dtype=self.dtype, device=self.device,
+                            attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
         self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
-        if config.model.onednn_linear:
-            use_onednn_linear(self.model)
-        self.model_name = config.model.served_model_name or loaded.name
-        hf = self.model.config
-        self.max_model_len = config.model.max_model_len or hf.max_position_embeddings
+        late = backend_cls.unsupported_features(attention_features(hf_config, self.max_model_len, self.model))
+        if late:  # parameters the config did not announce (attention sinks)
+            raise ModelLoadError(f"{name} needs {', '.join(late)}, which the {backend_cls.name} backend does "
+                                 "not implement")
+        self.linear_path = "torch's default GEMM"
+        if self.device.type == "cpu" and args.onednn_linear:
+            self.linear_path = use_onednn_linear(self.model, self.dtype)
+        self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = hf.num_key_value_heads
-        block_size = config.cache.block_size
-        num_blocks = config.cache.num_kv_blocks or max(1, config.cache.kv_cache_memory // KVCache.bytes_per_block(
-            hf.num_hidden_layers, block_size, num_kv_heads, head_dim, config.model.torch_dtype))
-        self.kv_cache = KVCache(hf.num_hidden_layers, num_blocks, block_size, num_kv_heads, head_dim,
-                                config.model.torch_dtype)
+        block_size = args.block_size
+        num_blocks = args.num_kv_blocks or max(1, args.kv_cache_memory // KVCache.bytes_per_block(
+            hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim, self.dtype))
+        self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, hf.num_key_value_heads, head_dim,
+                                                 block_size, num_blocks, self.dtype, self.device))
+        self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
         self.scheduler = _core.Scheduler(
-            _core.SchedulerConfig(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                  self.max_model_len, config.cache.enable_prefix_caching),
+            _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
+                                  args.enable_prefix_caching),
             num_blocks, block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, get_backend(config.attention_backend))
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics(self.model_name, self.max_model_len)
+        caps = cpu_capabilities() if self.device.type == "cpu" else None
+        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why_dtype)
+        logger.info("attention backend %s%s on %s%s; linear layers: %s", backend_cls.name,
+                    f" (kernel variant {variant})" if variant else "", self.device,
+                    f" [{caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}]" if caps else "",
+                    self.linear_path)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
+        try:
+            self.runner.warm_up()
+        except Exception as e:
+            raise RuntimeError(f"start-up check step failed with dtype {self.dtype}, attention backend "
+                               f"{backend_cls.name}, linear layers {self.linear_path}: {e}") from e
 
     def _eos_token_ids(self) -> list[int]:
         ids = set()
@@ -156,9 +201,10 @@ class LLMEngine:
             req = self.requests[rid]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        prompt_rows = self._prompt_logprob_rows(out, request_ids)
+        inp = _core.ModelInput(out)  # the decision laid out for the forward pass
+        prompt_rows = self._prompt_logprob_rows(out, inp, request_ids)
         extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
-        logits, extra_hidden = self.runner.execute(out, extra)
+        logits, extra_hidden = self.runner.execute(inp, extra)
         self._record_prompt_logprobs(prompt_rows, extra_hidden)
 
         rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
@@ -208,7 +254,7 @@ class LLMEngine:
         self.observe_scheduler()
         return outputs
 
-    def _prompt_logprob_rows(self, out, request_ids) -> list[tuple[Request, list[int], list[int]]]:
+    def _prompt_logprob_rows(self, out, inp, request_ids) -> list[tuple[Request, list[int], list[int]]]:
         """For requests that want prompt logprobs and prefill this step: (request,
         flat-batch indices of the positions to score, the prompt tokens they predict).
         Positions already scored (before a preemption) are skipped."""
@@ -219,7 +265,7 @@ class LLMEngine:
             if req.prompt_logprobs is None:
                 continue
             if qsl is None:
-                qsl, computed = out.query_start_loc.tolist(), out.num_computed_tokens.tolist()
+                qsl, computed = inp.query_start_loc.tolist(), out.num_computed_tokens.tolist()
                 scheduled = out.num_scheduled_tokens.tolist()
             n_prompt = len(req.prompt_token_ids)
             # position p predicts prompt token p + 1; prompt_logprobs holds 1 + scored positions

@@ -1,9 +1,17 @@
-"""C++ CPU backend (csrc/attention_cpu.cc): the default on CPU.
+"""The C++ CPU backend (csrc/backends/cpu/): the default on CPU.
 
-Reads K/V straight from the physical blocks with an online softmax; threads
-over (sequence, KV head, query chunk) and splits long decodes along the KV
-length, using torch's intra-op thread count. Takes the torch tensors without
-copying them; checks shapes, dtypes, layout and every index before reading.
+KV layout, per layer one tensor [2, num_blocks, Hkv, block_size * D]:
+  k_cache [num_blocks, Hkv, D, block_size]: each block's keys transposed, so a
+      query's scores against a block are D vector FMAs across the block's keys
+      with no horizontal sums (vLLM's CPU key layout serves the same purpose);
+  v_cache [num_blocks, Hkv, block_size, D].
+The kernels read K/V straight from the blocks with an online softmax, thread
+over (sequence, KV head, query chunk) and split long decodes along the KV
+length (csrc/backends/cpu/attention_cpu.h). The per-step plan
+(``_core.cpu.AttentionPlan``) validates the metadata, partitions the work and
+sizes the scratch once per step; each layer only checks its tensors against it.
+The kernels are compiled for several ISAs and the best this CPU runs is chosen
+at start-up (``variants()``; env PAGEDSERVE_CPU_ISA forces a lower one).
 """
 
 from __future__ import annotations
@@ -11,35 +19,75 @@ from __future__ import annotations
 import torch
 
 from .. import _core
+from .backend import AttentionBackend, AttentionMetadata, KernelVariant
 
 
-def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Writes key/value [T, Hkv, D] into k_cache/v_cache [num_blocks, Hkv, block_size, D]
-    at slot_mapping [T] (int32/int64). key/value are cast to the cache dtype if needed.
-    Raises pagedserve.errors.KernelArgumentError (a ValueError) on bad arguments."""
-    if key.dtype != k_cache.dtype:
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-    _core.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+class CpuAttentionBackend(AttentionBackend):
+    """C++ paged attention on the CPU, float32 or bfloat16 caches."""
 
+    name = "cpu"
+    priority = 100
+    devices = ("cpu",)
+    dtypes = (torch.float32, torch.bfloat16)
 
-def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-                    scale: float, causal: bool = True) -> torch.Tensor:
-    """Same contract as pagedserve.kernels.torch_ref.paged_attention: query [T, H, D]
-    (last dim contiguous, cache dtype), caches [num_blocks, Hkv, block_size, D],
-    query_start_loc [B+1], seq_lens [B], block_tables [B, max_blocks] int32 -> [T, H, D].
-    Raises pagedserve.errors.KernelArgumentError (a ValueError) on bad arguments."""
-    if query.dtype != k_cache.dtype:
-        query = query.to(k_cache.dtype)
-    if query.stride(-1) != 1:
-        query = query.contiguous()
-    out = torch.empty(query.shape, dtype=query.dtype)
-    _core.paged_attention(out, query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale,
-                          causal, torch.get_num_threads())
-    return out
+    # Always available: it is part of every build, and its baseline variant runs
+    # on any CPU. A PAGEDSERVE_CPU_ISA that names a variant this CPU cannot run
+    # is an error at start-up (active_variant raises), never a silent fallback.
+
+    @classmethod
+    def variants(cls) -> list[KernelVariant]:
+        return [KernelVariant(name, ok, "" if ok else f"this CPU lacks {needs}")
+                for name, ok, needs in _core.cpu.compiled_isas()]
+
+    @classmethod
+    def use_variant(cls, name: str) -> None:
+        _core.cpu.set_kernel_isa(name)
+
+    @classmethod
+    def active_variant(cls) -> str:
+        """Raises pagedserve.errors.InvalidArgumentError if PAGEDSERVE_CPU_ISA
+        names a variant this build lacks or this CPU cannot execute."""
+        return _core.cpu.kernel_isa()
+
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (2, s.num_blocks, s.num_kv_heads, s.block_size * s.head_dim)
+
+    def split_kv_cache(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = self.spec
+        head = (s.num_blocks, s.num_kv_heads)
+        return (layer_cache[0].view(*head, s.head_dim, s.block_size),
+                layer_cache[1].view(*head, s.block_size, s.head_dim))
+
+    def copy_blocks(self, kv_cache: torch.Tensor, blocks_to_copy: torch.Tensor) -> None:
+        src, dst = blocks_to_copy[:, 0].long(), blocks_to_copy[:, 1].long()
+        kv_cache[:, :, dst] = kv_cache[:, :, src]  # every layer, K and V, in one indexed copy
+
+    def make_plan(self, metadata: AttentionMetadata) -> _core.cpu.AttentionPlan:
+        """Validates the step's metadata and partitions its work (raises
+        KernelArgumentError, a ValueError, on a bad index)."""
+        s = self.spec
+        return _core.cpu.AttentionPlan(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                                       s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks,
+                                       metadata.causal, torch.get_num_threads())
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if key.dtype != k_cache.dtype:
+            key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: _core.cpu.AttentionPlan, scale: float) -> torch.Tensor:
+        if query.dtype != k_cache.dtype:
+            query = query.to(k_cache.dtype)
+        if query.stride(-1) != 1:
+            query = query.contiguous()
+        out = torch.empty(query.shape, dtype=query.dtype)
+        plan.run(out, query, k_cache, v_cache, scale)
+        return out
 
 
 def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
     """Bytes of scratch one worker thread uses, whatever the sequence lengths."""
-    return _core.paged_attention_scratch_bytes(num_heads, num_kv_heads, head_dim, block_size)
+    return _core.cpu.paged_attention_scratch_bytes(num_heads, num_kv_heads, head_dim, block_size)

@@ -1,12 +1,18 @@
-"""PyTorch reference backend of the paged-attention contract (DESIGN.md section 4).
+"""The PyTorch reference backend: the attention contract in plain torch ops,
+device-agnostic, and the yardstick the other backends are tested against.
+
+KV layout, per layer one tensor [2, num_blocks, Hkv, block_size, D]: K and V
+alike, [num_blocks, Hkv, block_size, D] each (no transposition: this backend
+gathers whole blocks and multiplies them as matrices).
 
 Blockwise attention with an online softmax (running max ``m``, running sum
 ``l``, float32 accumulator ``acc``; Milakov & Gimelshein 2018, FlashAttention,
 Dao et al. 2022) that reads K/V straight from the physical blocks named by the
-block table, a tile of ``blocks_per_tile`` blocks at a time, so its scratch is
-O(blocks_per_tile * block_size) per (query token, head) whatever the sequence
+block table, a tile of ``BLOCKS_PER_TILE`` blocks at a time, so its scratch is
+O(BLOCKS_PER_TILE * block_size) per (query token, head) whatever the sequence
 length. Decode queries (query length 1) of all sequences are processed as one
-batch, and so are prefill chunks of equal length.
+batch, and so are prefill chunks of equal length; the index math and masks
+are the per-step plan, shared by every layer.
 """
 
 from __future__ import annotations
@@ -15,42 +21,17 @@ from dataclasses import dataclass
 
 import torch
 
+from .backend import AttentionBackend, AttentionMetadata
+
 BLOCKS_PER_TILE = 8
-
-
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Writes the new tokens' K/V into the paged cache, in place.
-
-    Args:
-        key, value: [T, Hkv, D], any float dtype (cast to the cache's dtype).
-        k_cache: [num_blocks, Hkv, D, block_size], v_cache: [num_blocks, Hkv, block_size, D]
-            (pagedserve.model.kv_cache layout: keys transposed per block).
-        slot_mapping: [T] int32/int64, physical slot = block_id * block_size + offset.
-    Raises:
-        IndexError (from torch) if a slot is out of range.
-    """
-    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
-    slots = slot_mapping.long()
-    blocks = (slots // block_size)[:, None]
-    offsets = (slots % block_size)[:, None]
-    heads = torch.arange(hkv)[None, :]
-    k_cache[blocks, heads, :, offsets] = key.to(k_cache.dtype)  # indexed dims first: [T, Hkv, D]
-    v_cache[blocks, heads, offsets] = value.to(v_cache.dtype)
 
 
 @dataclass
 class _Group:
-    """Rows of the batch with the same query length, attended together (all
-    decodes form one group; prefill chunks of equal length another)."""
+    """Rows of the batch with the same query length, attended together."""
 
-    rows: torch.Tensor  # [B] batch rows
     tokens: torch.Tensor  # [B * Q] their query tokens in the flat batch
+    num_rows: int  # B
     num_queries: int  # Q: queries per row
     # per tile: (rows of the [num_blocks * Hkv, block_size, D] cache view [B, Hkv, nt],
     #            additive mask [B, 1, Q, K] with 0 = visible, -inf = hidden)
@@ -58,40 +39,42 @@ class _Group:
 
 
 @dataclass
-class AttentionPlan:
+class TorchAttentionPlan:
     """Everything paged_attention derives from the metadata alone (index math,
-    masks); built once per engine step and reused by every layer."""
+    masks), on the backend's device; built once per engine step."""
 
     groups: list[_Group]
+    num_tokens: int
 
 
 def make_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
-              block_size: int, num_kv_heads: int, causal: bool = True,
-              blocks_per_tile: int = BLOCKS_PER_TILE) -> AttentionPlan:
-    """Builds the AttentionPlan of one step (see paged_attention for the arguments)."""
-    heads = torch.arange(num_kv_heads)[None, :, None]
-    qsl = query_start_loc.long()
+              block_size: int, num_kv_heads: int, causal: bool = True, device: torch.device | str = "cpu",
+              blocks_per_tile: int = BLOCKS_PER_TILE) -> TorchAttentionPlan:
+    """Builds the plan of one step (arguments: see AttentionMetadata)."""
+    heads = torch.arange(num_kv_heads, device=device)[None, :, None]
+    qsl = query_start_loc.long().to(device)
+    lens_all = seq_lens.long().to(device)
+    tables = block_tables.long().to(device)
     q_lens = qsl[1:] - qsl[:-1]
-    groups = []
+    plan = TorchAttentionPlan([], int(query_start_loc[-1]))
     for nq in sorted(set(q_lens.tolist())):  # rows with equal query length batch together
+        if nq == 0:
+            continue
         rows = torch.nonzero(q_lens == nq).flatten()
-        tokens = (qsl[rows][:, None] + torch.arange(nq)[None, :]).flatten()
-        groups.append((rows, tokens, nq))
-    plan = AttentionPlan([])
-    for rows, tokens, nq in groups:
-        lens = seq_lens[rows].long()
-        q_pos = (lens - nq)[:, None] + torch.arange(nq)[None, :]  # [B, Q]
+        tokens = (qsl[rows][:, None] + torch.arange(nq, device=device)[None, :]).flatten()
+        lens = lens_all[rows]
+        q_pos = (lens - nq)[:, None] + torch.arange(nq, device=device)[None, :]  # [B, Q]
         num_blocks = (int(lens.max()) + block_size - 1) // block_size
         tiles = []
         for t0 in range(0, num_blocks, blocks_per_tile):
-            ids = block_tables[rows, t0:min(t0 + blocks_per_tile, num_blocks)].long().clamp(min=0)
-            k_pos = t0 * block_size + torch.arange(ids.shape[1] * block_size)
+            ids = tables[rows, t0:min(t0 + blocks_per_tile, num_blocks)].clamp(min=0)
+            k_pos = t0 * block_size + torch.arange(ids.shape[1] * block_size, device=device)
             visible = k_pos[None, None, :] < lens[:, None, None]  # [B, 1, K]
             if causal:
                 visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, K]
-            bias = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+            bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
             tiles.append((ids[:, None, :] * num_kv_heads + heads, bias.expand(len(rows), nq, -1).unsqueeze(1)))
-        plan.groups.append(_Group(rows, tokens, nq, tiles))
+        plan.groups.append(_Group(tokens, len(rows), nq, tiles))
     return plan
 
 
@@ -99,19 +82,18 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
             scale: float) -> torch.Tensor:
     """Online-softmax attention of q [B, Q, H, D] over the group's tiles -> [B, Q, H, D] float32."""
     b, nq, h, d = q.shape
-    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
+    hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
-    k_rows = k_cache.view(-1, d, block_size)  # [num_blocks * Hkv, D, block_size]
-    v_rows = v_cache.view(-1, block_size, d)  # [num_blocks * Hkv, block_size, D]
+    k_rows = k_cache.view(-1, block_size, d)  # [num_blocks * Hkv, block_size, D]
+    v_rows = v_cache.view(-1, block_size, d)
     # [B*Hkv, G*Q, D]: one batched matmul per tile, no broadcast copies of K/V
     qg = (q.float() * scale).view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * nq, d)
     m = l = acc = None
     for ids, bias in group.tiles:
-        nt = ids.shape[2]
-        nk = nt * block_size
-        k = k_rows[ids].view(b * hkv, nt, d, block_size).permute(0, 2, 1, 3).reshape(b * hkv, d, nk).float()
+        nk = ids.shape[2] * block_size
+        k = k_rows[ids].view(b * hkv, nk, d).float()
         v = v_rows[ids].view(b * hkv, nk, d).float()
-        s = (torch.bmm(qg, k).view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
+        s = (torch.bmm(qg, k.transpose(1, 2)).view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
         m_tile = s.amax(dim=-1, keepdim=True)
         if m is None:  # first tile: it holds key 0, which every query sees
             m = m_tile
@@ -129,77 +111,72 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
 
 
-def paged_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-    plan: AttentionPlan | None = None,
-) -> torch.Tensor:
-    """Causal attention of a flat varlen batch of queries over a paged KV cache.
+class TorchAttentionBackend(AttentionBackend):
+    """Blockwise online-softmax attention in torch ops, on any torch device."""
 
-    Query token i of sequence b sits at position seq_lens[b] - q_len[b] + i and
-    sees key positions <= its own (all of 0..seq_lens[b]-1 when causal=False).
-    GQA/MQA by head grouping (H % Hkv == 0).
+    name = "torch"
+    priority = 10
+    devices = ("cpu", "cuda", "mps")
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
-    Args:
-        query: [T, H, D] float32 or bfloat16.
-        k_cache: [num_blocks, Hkv, D, block_size], v_cache: [num_blocks, Hkv, block_size, D]
-            (pagedserve.model.kv_cache layout), contiguous.
-        query_start_loc: [B+1] int32, prefix sums of query lengths (tokens).
-        seq_lens: [B] int32, keys visible per sequence (tokens, includes the queries).
-        block_tables: [B, max_blocks] int32, physical block ids, -1 padded.
-        scale: softmax scale, usually D ** -0.5.
-        plan: make_plan(...) of the same metadata, to share its index math
-            across layers; built here when None.
-    Returns:
-        [T, H, D] in query's dtype.
-    Raises:
-        ValueError if H is not a multiple of Hkv.
-    """
+    def kv_cache_shape(self) -> tuple[int, ...]:
+        s = self.spec
+        return (2, s.num_blocks, s.num_kv_heads, s.block_size, s.head_dim)
+
+    def split_kv_cache(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return layer_cache[0], layer_cache[1]
+
+    def make_plan(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
+        return make_plan(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, self.spec.block_size,
+                         self.spec.num_kv_heads, metadata.causal, self.spec.device)
+
+    def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Raises IndexError (from torch) if a slot is out of range."""
+        hkv, block_size = k_cache.shape[1], k_cache.shape[2]
+        slots = slot_mapping.to(device=k_cache.device, dtype=torch.long)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, key, value = slots[keep], key[keep], value[keep]
+        blocks = (slots // block_size)[:, None]
+        offsets = (slots % block_size)[:, None]
+        heads = torch.arange(hkv, device=k_cache.device)[None, :]
+        k_cache[blocks, heads, offsets] = key.to(k_cache.dtype)  # indexed dims first: [T, Hkv, D]
+        v_cache[blocks, heads, offsets] = value.to(v_cache.dtype)
+
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+        """Raises ValueError if H is not a multiple of Hkv."""
+        t, h, d = query.shape
+        if h % k_cache.shape[1]:
+            raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {k_cache.shape[1]}")
+        out = torch.empty((t, h, d), dtype=k_cache.dtype, device=query.device)
+        for group in plan.groups:
+            q = query[group.tokens].view(group.num_rows, group.num_queries, h, d)
+            out[group.tokens] = _attend(q, k_cache, v_cache, group, scale).reshape(-1, h, d).to(out.dtype)
+        return out
+
+
+def dense_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                    query_start_loc: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
+    """The contract's meaning without any paging: sequence b's queries
+    query[qsl[b]:qsl[b+1]] ([q_len, H, D]) attend over its whole K/V given as
+    keys[b], values[b] ([seq_len, Hkv, D], positions 0..seq_len-1), by
+    torch's scaled_dot_product_attention in float32. Memory grows with the
+    sequence length: a test and benchmark reference, not a backend.
+    Returns [T, H, D] float32."""
     t, h, d = query.shape
-    hkv = k_cache.shape[1]
-    if h % hkv:
-        raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {hkv}")
-    if plan is None:
-        plan = make_plan(query_start_loc, seq_lens, block_tables, v_cache.shape[2], hkv, causal)
-    out = torch.empty((t, h, d), dtype=query.dtype)
-    for group in plan.groups:
-        q = query[group.tokens].view(len(group.rows), group.num_queries, h, d)
-        out[group.tokens] = _attend(q, k_cache, v_cache, group, scale).reshape(-1, h, d).to(query.dtype)
-    return out
-
-
-def dense_attention(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    causal: bool = True,
-) -> torch.Tensor:
-    """Same contract as paged_attention, by gathering each sequence's K/V into a
-    contiguous tensor and calling scaled_dot_product_attention. Memory grows
-    with the sequence length: a test and benchmark reference, not a backend."""
-    t, h, d = query.shape
-    hkv, block_size = v_cache.shape[1], v_cache.shape[2]
-    out = torch.empty_like(query)
-    for b in range(seq_lens.numel()):
-        s, e, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), int(seq_lens[b])
-        nb = (n + block_size - 1) // block_size
-        ids = block_tables[b, :nb].long()
-        k = k_cache[ids].permute(0, 3, 1, 2).reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
-        v = v_cache[ids].transpose(1, 2).reshape(-1, hkv, d)[:n].float().repeat_interleave(h // hkv, dim=1)
-        q = query[s:e].float()
-        q_pos = n - (e - s) + torch.arange(e - s)
-        mask = torch.arange(n)[None, :] <= q_pos[:, None] if causal else None
+    out = torch.empty((t, h, d), dtype=torch.float32, device=query.device)
+    for b, (k, v) in enumerate(zip(keys, values)):
+        s, e, n = int(query_start_loc[b]), int(query_start_loc[b + 1]), k.shape[0]
+        if e == s:
+            continue
+        group = h // k.shape[1]
+        k = k.float().repeat_interleave(group, dim=1)
+        v = v.float().repeat_interleave(group, dim=1)
+        q_pos = n - (e - s) + torch.arange(e - s, device=query.device)
+        mask = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None] if causal else None
         o = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
-        out[s:e] = o.transpose(0, 1).to(query.dtype)
+            query[s:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
     return out

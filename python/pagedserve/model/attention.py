@@ -2,8 +2,9 @@
 interface (``AttentionInterface``) under the name ``"pagedserve"``.
 
 Per layer it writes the new tokens' K/V into the paged store at slot_mapping
-(reshape_and_cache), then attends over each sequence's blocks (paged_attention).
-The step's metadata reaches it through ``forward_context``, set by the
+(the backend's reshape_and_cache), then attends over each sequence's blocks
+(the backend's paged_attention) with the step's plan. The step's plan, KV
+store and backend reach it through ``forward_context``, set by the
 ModelRunner around the one forward pass of the step.
 """
 
@@ -12,38 +13,30 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from types import ModuleType
+from typing import Any
 
-import torch
+from ..kernels.backend import AttentionBackend
 
 ATTN_IMPLEMENTATION = "pagedserve"
 
 
 @dataclass
-class AttentionMetadata:
-    """Per-step attention metadata (all CPU tensors).
+class ForwardContext:
+    """What every layer of one forward pass shares.
 
     Attributes:
-        slot_mapping: [T] int64, cache slot of each new token.
-        query_start_loc: [B+1] int32, query prefix sums.
-        seq_lens: [B] int32, keys visible per sequence.
-        block_tables: [B, max_blocks] int32, -1 padded.
-        plan: backend-specific precomputation shared by all layers of the step
-            (built by the first layer through backend.make_plan, if it has one).
+        plan: the backend's make_plan(metadata) of this step.
+        slot_mapping: [T] int64 KV slot of each token.
+        kv_cache: pagedserve.model.kv_cache.KVCache.
+        backend: the AttentionBackend instance.
+        max_model_len: sliding windows at least this long mask nothing.
     """
 
-    slot_mapping: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-    plan: object = None
-
-
-@dataclass
-class ForwardContext:
-    metadata: AttentionMetadata
-    kv_cache: object  # pagedserve.model.kv_cache.KVCache
-    backend: ModuleType
+    plan: Any
+    slot_mapping: Any
+    kv_cache: Any
+    backend: AttentionBackend
+    max_model_len: int
 
 
 _local = threading.local()
@@ -59,27 +52,34 @@ def forward_context(ctx: ForwardContext):
         _local.ctx = None
 
 
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                            **kwargs):
+def _refuse_unsupported(kwargs: dict, max_model_len: int) -> None:
+    """A safety net behind the load-time check (pagedserve.model.features):
+    attention arguments the backends do not implement must never be dropped."""
+    window = kwargs.get("sliding_window")
+    if window is not None and window < max_model_len:
+        raise RuntimeError(f"this layer uses a sliding window of {window}, which the attention backends do not "
+                           "implement")
+    if kwargs.get("softcap") is not None:
+        raise RuntimeError("this layer uses attention logit soft-capping, which the attention backends do not "
+                           "implement")
+    if kwargs.get("s_aux") is not None:
+        raise RuntimeError("this layer uses attention sinks, which the attention backends do not implement")
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D]
-    (RoPE applied) -> ([1, T, H, D], None). Raises RuntimeError outside a forward_context."""
+    (RoPE applied) -> ([1, T, H, D], None). Raises RuntimeError outside a
+    forward_context or for an attention feature the backends lack."""
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
         raise RuntimeError("pagedserve attention called outside ModelRunner.execute")
-    md = ctx.metadata
+    if kwargs:
+        _refuse_unsupported(kwargs, ctx.max_model_len)
     k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
-    q = query[0].transpose(0, 1)
-    ctx.backend.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache,
-                                  v_cache, md.slot_mapping)
+    ctx.backend.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
+                                  ctx.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kwargs = {}
-    if hasattr(ctx.backend, "make_plan"):
-        if md.plan is None:
-            md.plan = ctx.backend.make_plan(md.query_start_loc, md.seq_lens, md.block_tables,
-                                            v_cache.shape[2], v_cache.shape[1])
-        kwargs["plan"] = md.plan
-    out = ctx.backend.paged_attention(q, k_cache, v_cache, md.query_start_loc, md.seq_lens,
-                                      md.block_tables, scale, **kwargs)
+    out = ctx.backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.plan, scale)
     return out.unsqueeze(0), None
 
 

@@ -1,51 +1,43 @@
-"""The paged KV store: one tensor per engine, allocated once at start-up.
-
-Layout (the one place it is defined): one tensor [num_layers, 2, num_blocks,
-num_kv_heads, block_size * head_dim] (index 0 = K, 1 = V), dtype = model dtype.
-Slot s of a layer is block s // block_size, offset s % block_size. Each
-(block, KV head) holds a dense matrix:
-  K: [head_dim, block_size], the block's keys transposed, so a query's scores
-     against a block are head_dim vector FMAs across the block_size keys with
-     no horizontal sums (vLLM's key cache layout serves the same purpose);
-  V: [block_size, head_dim], rows accumulated with vector FMAs across head_dim.
-layer() returns the views every backend takes:
-  k_cache [num_blocks, Hkv, head_dim, block_size], v_cache [num_blocks, Hkv, block_size, head_dim].
+"""The paged KV store: one tensor per engine, allocated once at start-up on the
+engine's device, in the layout the attention backend asks for
+(``AttentionBackend.kv_cache_shape``; docs/architecture.md lists each
+backend's). Slot s of a layer is block s // block_size, offset s % block_size
+in whatever layout; the C++ BlockPool hands out the same block ids.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..kernels.backend import AttentionBackend
+
 
 class KVCache:
-    """Owns the KV store tensor.
+    """Owns the KV store tensor and its per-layer (k_cache, v_cache) views.
 
     Args:
-        num_layers, num_kv_heads, head_dim: from the model config.
-        num_blocks: physical blocks (the C++ BlockPool has the same count).
-        block_size: tokens per block.
-        dtype: torch.float32 or torch.bfloat16.
+        num_layers: attention layers of the model.
+        backend: the engine's attention backend; its spec gives num_blocks,
+            block_size, num_kv_heads, head_dim, dtype and device.
     """
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.store = torch.zeros((num_layers, 2, num_blocks, num_kv_heads, block_size * head_dim), dtype=dtype)
+    def __init__(self, num_layers: int, backend: AttentionBackend) -> None:
+        spec = backend.spec
+        self.backend = backend
+        self.num_blocks, self.block_size = spec.num_blocks, spec.block_size
+        self.store = backend.allocate_kv_cache(num_layers)
+        self._layers = [backend.split_kv_cache(self.store[i]) for i in range(num_layers)]
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_cache [num_blocks, Hkv, D, block_size], v_cache [num_blocks, Hkv, block_size, D]) of one layer."""
-        shape = (self.num_blocks, self.num_kv_heads)
-        return (self.store[layer_idx, 0].view(*shape, self.head_dim, self.block_size),
-                self.store[layer_idx, 1].view(*shape, self.block_size, self.head_dim))
+        """(k_cache, v_cache) of one layer, in the backend's layout (views, no copy)."""
+        return self._layers[layer_idx]
 
     def copy_blocks(self, blocks_to_copy: torch.Tensor) -> None:
         """Copies whole blocks (every layer, K and V) for copy-on-write.
 
         blocks_to_copy: [C, 2] int (src, dst) block ids.
         """
-        src, dst = blocks_to_copy[:, 0].long(), blocks_to_copy[:, 1].long()
-        self.store[:, :, dst] = self.store[:, :, src]
+        self.backend.copy_blocks(self.store, blocks_to_copy)
 
     @property
     def nbytes(self) -> int:
@@ -55,6 +47,7 @@ class KVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        """Bytes one block takes over all layers, K and V."""
+        """Bytes one block takes over all layers, K and V (every layout stores
+        exactly block_size * num_kv_heads * head_dim elements per block for each)."""
         elem = torch.empty((), dtype=dtype).element_size()
         return num_layers * 2 * block_size * num_kv_heads * head_dim * elem

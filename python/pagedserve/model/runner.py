@@ -1,17 +1,26 @@
 """ModelRunner: runs the model once per engine step over the flat batch the
-C++ scheduler decided, and returns logits only for the tokens that sample."""
+C++ scheduler decided (laid out by ``_core.ModelInput``), and returns logits
+only for the tokens that sample."""
 
 from __future__ import annotations
 
+import logging
+from types import SimpleNamespace
+
+import numpy as np
 import torch
 
-from .attention import AttentionMetadata, ForwardContext, forward_context
+from ..hardware import onednn_linear_unsupported
+from ..kernels.backend import AttentionBackend, AttentionMetadata
+from .attention import ForwardContext, forward_context
+
+logger = logging.getLogger(__name__)
 
 
 class OneDNNLinear(torch.nn.Module):
     """nn.Linear computed by oneDNN (aten::mkldnn_linear) with its weight kept in
     oneDNN's blocked layout. x: [..., in_features] dense -> [..., out_features] dense,
-    same dtype as the weight."""
+    same dtype as the weight (float32, or bfloat16 where the CPU supports oneDNN's bf16 path)."""
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -25,75 +34,102 @@ class OneDNNLinear(torch.nn.Module):
         return y.to_dense()
 
 
-def use_onednn_linear(model: torch.nn.Module) -> torch.nn.Module:
-    """Swaps the model's nn.Linear layers for OneDNNLinear, in place.
+def use_onednn_linear(model: torch.nn.Module, dtype: torch.dtype) -> str:
+    """Swaps the model's nn.Linear layers for OneDNNLinear, in place, where this
+    CPU supports oneDNN for ``dtype``; returns the linear path in use, for the log.
 
-    On CPU, oneDNN's GEMM with pre-packed weights beats the default BLAS call at
-    the small row counts of decode steps (measured on a 2-core AVX-512 machine:
-    the 49152 x 576 lm_head at 32 rows, 25 ms -> 14 ms; a whole 32-sequence
-    SmolLM2 decode, about 20% less time). Same dtype and math, another summation
-    order. Returns the model; a no-op where oneDNN is unavailable.
+    On CPU, oneDNN's GEMM with pre-packed weights beat the default BLAS call at
+    the small row counts of decode steps on a 2-core AVX-512 machine (the
+    49152 x 576 lm_head at 32 rows, 25 ms -> 14 ms). Same dtype and math,
+    another summation order. Where oneDNN cannot run the dtype here (bfloat16
+    without avx512bw/vl/dq or avx_ne_convert), torch's own GEMM is kept: it is
+    correct on every CPU, only slower.
     """
-    if not torch.backends.mkldnn.is_available():
-        return model
+    why = onednn_linear_unsupported(dtype)
+    if why is not None:
+        return f"torch's default GEMM ({why})"
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, torch.nn.Linear):
                 setattr(parent, name, OneDNNLinear(child))
-    return model
+    return "oneDNN with pre-packed weights"
 
 
 class ModelRunner:
-    """Executes SchedulerOutputs on a Hugging Face causal LM.
+    """Executes one step's ModelInput on a Hugging Face causal LM.
 
     Args:
-        model: transformers causal LM loaded with attn_implementation="pagedserve".
-        kv_cache: the engine's KVCache.
-        backend: an attention backend module (pagedserve.kernels.get_backend).
+        model: transformers causal LM loaded with attn_implementation="pagedserve",
+            on ``device``.
+        kv_cache: the engine's KVCache (on ``device``).
+        backend: the engine's AttentionBackend instance.
+        max_model_len: tokens per sequence at most (for the attention hook's checks).
     """
 
-    def __init__(self, model: torch.nn.Module, kv_cache, backend) -> None:
+    def __init__(self, model: torch.nn.Module, kv_cache, backend: AttentionBackend, max_model_len: int) -> None:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.kv_cache = kv_cache
         self.backend = backend
+        self.device = backend.spec.device
+        self.max_model_len = max_model_len
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, out, extra_logits_indices: torch.Tensor | None = None
+    def execute(self, inp, extra_logits_indices: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over all scheduled tokens of all sequences.
 
         Args:
-            out: pagedserve._core.SchedulerOutput (numpy views, int32).
+            inp: pagedserve._core.ModelInput (numpy views: input_ids, positions,
+                slot_mapping, logits_indices int64; query_start_loc, seq_lens,
+                block_tables, blocks_to_copy int32), or anything with those arrays.
             extra_logits_indices: [E] int64 positions in the flat batch whose
                 logits are wanted too (prompt logprobs), or None.
         Returns:
-            (logits [S, vocab] float32, S = len(out.logits_indices), in the order
-            of out.sampling_seq_indices; the final hidden states [E, hidden] at
-            extra_logits_indices, or None: compute_logits turns them into logits,
-            a slice at a time, so E x vocab floats never exist at once).
+            (logits [S, vocab] float32 on the CPU, S = len(inp.logits_indices),
+            in the order of the scheduler's sampling_seq_indices; the final hidden
+            states [E, hidden] at extra_logits_indices, or None: compute_logits
+            turns them into logits a slice at a time, so E x vocab floats never
+            exist at once).
         """
-        if out.blocks_to_copy.shape[0]:  # copy-on-write decided by the scheduler, before any write
-            self.kv_cache.copy_blocks(torch.from_numpy(out.blocks_to_copy))
-        input_ids = torch.from_numpy(out.input_ids).long().unsqueeze(0)
-        positions = torch.from_numpy(out.positions).long().unsqueeze(0)
-        md = AttentionMetadata(
-            slot_mapping=torch.from_numpy(out.slot_mapping).long(),
-            query_start_loc=torch.from_numpy(out.query_start_loc),
-            seq_lens=torch.from_numpy(out.seq_lens),
-            block_tables=torch.from_numpy(out.block_tables),
-        )
-        with forward_context(ForwardContext(md, self.kv_cache, self.backend)):
-            hidden = self.decoder(input_ids=input_ids, position_ids=positions,
-                                  use_cache=False).last_hidden_state[0]
-        logits = self.compute_logits(hidden[torch.from_numpy(out.logits_indices).long()])
+        if inp.blocks_to_copy.shape[0]:  # copy-on-write decided by the scheduler, before any write
+            self.kv_cache.copy_blocks(torch.from_numpy(inp.blocks_to_copy))
+        input_ids = self._to_device(inp.input_ids).unsqueeze(0)
+        positions = self._to_device(inp.positions).unsqueeze(0)
+        md = AttentionMetadata(slot_mapping=torch.from_numpy(inp.slot_mapping),
+                               query_start_loc=torch.from_numpy(inp.query_start_loc),
+                               seq_lens=torch.from_numpy(inp.seq_lens),
+                               block_tables=torch.from_numpy(inp.block_tables))
+        plan = self.backend.make_plan(md)  # once per step, shared by every layer
+        slot_mapping = md.slot_mapping if self.device.type == "cpu" else self._to_device(inp.slot_mapping)
+        with forward_context(ForwardContext(plan, slot_mapping, self.kv_cache, self.backend, self.max_model_len)):
+            hidden = self.decoder(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state[0]
+        logits = self.compute_logits(hidden[self._to_device(inp.logits_indices)])
         extra = None
         if extra_logits_indices is not None and extra_logits_indices.numel():
-            extra = hidden[extra_logits_indices]
+            extra = hidden[extra_logits_indices.to(self.device)]
         return logits, extra
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32 on the CPU."""
+        return self.lm_head(hidden).float().cpu()
+
+    def warm_up(self) -> None:
+        """Runs one tiny step (2 tokens written to block 0, which no sequence
+        holds yet) through the model, the linear layers and the attention
+        backend, so a kernel or GEMM path that cannot run on this machine fails
+        at start-up, not at the first request. Raises whatever that step raises."""
+        n = min(2, self.kv_cache.block_size)
+        inp = SimpleNamespace(
+            input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
+            slot_mapping=np.arange(n, dtype=np.int64), logits_indices=np.array([n - 1], dtype=np.int64),
+            query_start_loc=np.array([0, n], dtype=np.int32), seq_lens=np.array([n], dtype=np.int32),
+            block_tables=np.zeros((1, 1), dtype=np.int32), blocks_to_copy=np.zeros((0, 2), dtype=np.int32))
+        logits, _ = self.execute(inp)
+        if not bool(torch.isfinite(logits).all()):
+            raise RuntimeError("the start-up check step produced non-finite logits")

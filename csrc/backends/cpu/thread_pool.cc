@@ -1,6 +1,7 @@
 #include "thread_pool.h"
 
 namespace pagedserve {
+namespace cpu {
 
 ThreadPool::ThreadPool(int num_threads) {
   for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
@@ -77,4 +78,5 @@ std::shared_ptr<ThreadPool> ThreadPool::get(int num_threads) {
   return pool;
 }
 
+}  // namespace cpu
 }  // namespace pagedserve

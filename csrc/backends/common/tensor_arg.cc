@@ -1,6 +1,6 @@
 #include "tensor_arg.h"
 
-#include "errors.h"
+#include "core/errors.h"
 
 namespace pagedserve {
 
@@ -8,6 +8,7 @@ const char* dtype_name(DType d) {
   switch (d) {
     case DType::kFloat32: return "float32";
     case DType::kBFloat16: return "bfloat16";
+    case DType::kFloat16: return "float16";
     case DType::kInt32: return "int32";
     default: return "int64";
   }

@@ -1,7 +1,6 @@
 #include "scheduler.h"
 
 #include <algorithm>
-#include <stdexcept>
 
 #include "errors.h"
 
@@ -10,7 +9,7 @@ namespace pagedserve {
 Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size)
     : config_(config), kv_(num_blocks, block_size, config.enable_prefix_caching) {
   if (config.max_num_seqs < 1 || config.max_num_batched_tokens < 1 || config.max_model_len < 1) {
-    throw std::invalid_argument(
+    throw InvalidArgumentError(
         "max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1");
   }
 }
@@ -131,33 +130,20 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
 
 void Scheduler::build_output(SchedulerOutput& out,
                              const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const {
-  int32_t max_blocks = 0;
-  for (const auto& [seq, n] : scheduled) {
-    max_blocks = std::max(max_blocks, kv_.block_table(seq->seq_id).num_blocks());
-  }
-  out.max_num_blocks_per_seq = max_blocks;
-  out.block_tables.assign(scheduled.size() * static_cast<size_t>(max_blocks), -1);
-  out.query_start_loc.push_back(0);
+  out.block_size = kv_.block_size();
+  out.block_table_offsets.push_back(0);
   for (size_t b = 0; b < scheduled.size(); ++b) {
     const auto& [seq, n] = scheduled[b];
     const BlockTable& table = kv_.block_table(seq->seq_id);
     const int32_t start = seq->num_computed_tokens;
-    const int32_t q0 = out.query_start_loc.back();
     out.request_ids.push_back(seq->request_id);
     out.seq_indices.push_back(seq->index);
     out.num_scheduled_tokens.push_back(n);
     out.num_computed_tokens.push_back(start);
-    out.seq_lens.push_back(start + n);
-    out.query_start_loc.push_back(q0 + n);
-    std::copy(table.block_ids().begin(), table.block_ids().end(),
-              out.block_tables.begin() + static_cast<ptrdiff_t>(b * max_blocks));
-    for (int32_t p = start; p < start + n; ++p) {
-      out.input_ids.push_back(seq->token_ids[p]);
-      out.positions.push_back(p);
-      out.slot_mapping.push_back(static_cast<int32_t>(table.slot(p)));
-    }
+    out.token_ids.insert(out.token_ids.end(), seq->token_ids.begin() + start, seq->token_ids.begin() + start + n);
+    out.block_ids.insert(out.block_ids.end(), table.block_ids().begin(), table.block_ids().end());
+    out.block_table_offsets.push_back(static_cast<int32_t>(out.block_ids.size()));
     if (start + n == seq->num_tokens()) {  // all known tokens computed: sample the next
-      out.logits_indices.push_back(q0 + n - 1);
       out.sampling_seq_indices.push_back(static_cast<int32_t>(b));
       out.num_samples.push_back(seq->num_forks);
     }
@@ -182,7 +168,7 @@ FinishReason Scheduler::check_stop(const Sequence& seq) const {
 
 std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sampled_token_ids) {
   if (sampled_token_ids.size() != last_num_samples_) {
-    throw std::invalid_argument("update() got " + std::to_string(sampled_token_ids.size()) +
+    throw InvalidArgumentError("update() got " + std::to_string(sampled_token_ids.size()) +
                                 " sampled tokens, the last schedule() asked for " +
                                 std::to_string(last_num_samples_));
   }

@@ -7,9 +7,9 @@
 #include <string>
 #include <vector>
 
-namespace pagedserve {
+#include "dtype.h"
 
-enum class DType { kFloat32, kBFloat16, kInt32, kInt64 };
+namespace pagedserve {
 
 const char* dtype_name(DType d);
 
@@ -27,7 +27,8 @@ struct TensorArg {
   template <typename T>
   T* ptr() const { return static_cast<T*>(data); }
 
-  // Each throws KernelArgumentError naming the tensor.
+  // Each throws KernelArgumentError naming the tensor (argument checks shared
+  // by every backend live here and in attention_checks.h).
   void check_dim(int64_t d) const;
   void check_dtype(DType d) const;
   void check_contiguous() const;

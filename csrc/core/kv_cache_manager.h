@@ -56,7 +56,8 @@ class KVCacheManager {
   bool can_allocate(int32_t num_tokens, const PrefixMatch& match = {}) const;
   // Creates seq_id's block table covering num_tokens slots: the match's blocks
   // (shared, refcount +1) then new ones. Throws RequestRejectedError if seq_id
-  // already has a table, OutOfBlocksError if can_allocate() is false.
+  // already has a table, InvalidArgumentError if num_tokens is shorter than the
+  // match, OutOfBlocksError if can_allocate() is false.
   void allocate(int64_t seq_id, int32_t num_tokens, const PrefixMatch& match = {},
                 const std::string& cache_salt = "");
 

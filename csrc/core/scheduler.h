@@ -2,7 +2,8 @@
 // prefill and preemption by recompute (Orca's iteration-level scheduling,
 // vLLM v1's token-budget scheduler, nano-vllm's decide/commit split).
 //
-// schedule() decides one step and reserves its KV slots; update() commits the
+// schedule() decides one step and reserves its KV slots (build_model_input()
+// lays the decision out for the model); update() commits the
 // sampled tokens. Between them the caller runs the model. Not thread-safe: one
 // engine thread owns it.
 //
@@ -34,11 +35,13 @@
 
 namespace pagedserve {
 
+// The engine's scheduling limits. These defaults are the project's only ones:
+// Python's EngineArgs reads them from here (pagedserve.config).
 struct SchedulerConfig {
   int32_t max_num_seqs = 64;              // sequences running at once
-  int32_t max_num_batched_tokens = 512;   // tokens per step (the chunk size bound)
+  int32_t max_num_batched_tokens = 2048;  // tokens per step; longer prompts are prefilled in chunks
   int32_t max_model_len = 2048;           // prompt + output tokens per sequence
-  bool enable_prefix_caching = false;
+  bool enable_prefix_caching = true;      // reuse cached full blocks of equal prefixes
 };
 
 // Prefix-cache counters (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
@@ -50,7 +53,7 @@ struct PrefixCacheStats {
 
 class Scheduler {
  public:
-  // Throws std::invalid_argument on a bad config (any field < 1).
+  // Throws InvalidArgumentError on a bad config (any field < 1).
   Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size);
 
   // Queues a request. Throws RequestRejectedError if it can never be served:
@@ -72,7 +75,7 @@ class Scheduler {
   // Commits the last schedule(): advances num_computed_tokens of every scheduled
   // sequence, gives each sampling sequence its next num_samples tokens of
   // sampled_token_ids (forking the extra ones into new sequences), applies stop
-  // criteria and frees finished sequences. Throws std::invalid_argument if the
+  // criteria and frees finished sequences. Throws InvalidArgumentError if the
   // count differs from sum(num_samples) of the last output.
   std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids);
 

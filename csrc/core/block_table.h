@@ -19,12 +19,13 @@ class BlockTable {
   int32_t capacity() const { return num_blocks() * block_size_; }
 
   void append_block(int32_t block_id) { block_ids_.push_back(block_id); }
-  // Replaces logical block i (copy-on-write). Throws std::out_of_range.
-  void set_block(int32_t i, int32_t block_id) { block_ids_.at(i) = block_id; }
+  // Replaces logical block i (copy-on-write). Throws InvalidArgumentError if
+  // i is not in [0, num_blocks()).
+  void set_block(int32_t i, int32_t block_id);
   void clear() { block_ids_.clear(); }
 
   // Physical slot of token position `position` (0-based).
-  // Throws std::out_of_range if position is negative or >= capacity().
+  // Throws InvalidArgumentError if position is negative or >= capacity().
   int64_t slot(int32_t position) const;
 
   // Blocks needed to hold num_tokens tokens: ceil(num_tokens / block_size).

@@ -47,7 +47,9 @@ class BlockPool {
   // Marks a block in use as holding a prefix-cache entry. Throws BlockPoolError
   // if the block is not in use.
   void mark_cached(int32_t block_id);
-  bool is_evictable(int32_t block_id) const { return in_lru_.at(block_id); }
+  // True if the block is cached with refcount 0 (waiting in the LRU). Throws
+  // BlockPoolError if out of range.
+  bool is_evictable(int32_t block_id) const;
 
   // Called with a block id when allocate() evicts it.
   void set_evict_callback(std::function<void(int32_t)> fn) { on_evict_ = std::move(fn); }

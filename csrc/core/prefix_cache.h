@@ -50,12 +50,13 @@ class PrefixCache {
   int32_t lookup(const BlockHash& hash, const BlockHash* parent, const int32_t* tokens, int32_t n,
                  const std::string& extra_key) const;
   // Registers block_id under hash. Returns false (and registers nothing) if the
-  // hash is already taken or the block already holds a hash.
+  // hash is already taken or the block already holds a hash. Every block_id
+  // argument of this class throws BlockPoolError if out of [0, num_blocks).
   bool insert(int32_t block_id, const BlockHash& hash, const BlockHash* parent, const int32_t* tokens,
               int32_t n, const std::string& extra_key);
   // Forgets block_id's hash (eviction). No-op if it has none.
   void erase_block(int32_t block_id);
-  bool is_cached(int32_t block_id) const { return entries_.at(block_id).has_value(); }
+  bool is_cached(int32_t block_id) const;
   size_t size() const { return map_.size(); }
 
   // Replaces the hash function (tests force collisions with it).
@@ -68,6 +69,8 @@ class PrefixCache {
     std::vector<int32_t> tokens;
     std::string extra_key;
   };
+  void check_block(int32_t block_id) const;
+
   HashFn hash_fn_;
   std::unordered_map<BlockHash, int32_t, BlockHashKey> map_;
   std::vector<std::optional<Entry>> entries_;

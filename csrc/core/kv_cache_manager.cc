@@ -49,7 +49,10 @@ void KVCacheManager::allocate(int64_t seq_id, int32_t num_tokens, const PrefixMa
   if (has_sequence(seq_id)) {
     throw RequestRejectedError("sequence " + std::to_string(seq_id) + " already has blocks");
   }
-  if (num_tokens < match.num_tokens(block_size_)) throw OutOfBlocksError("num_tokens shorter than the cached prefix");
+  if (num_tokens < match.num_tokens(block_size_)) {
+    throw InvalidArgumentError("num_tokens " + std::to_string(num_tokens) + " is shorter than the cached prefix (" +
+                               std::to_string(match.num_tokens(block_size_)) + " tokens)");
+  }
   if (!can_allocate(num_tokens, match)) {
     throw OutOfBlocksError("cannot allocate " + std::to_string(num_tokens) + " tokens: only " +
                            std::to_string(num_free_blocks()) + " free blocks");

@@ -15,6 +15,7 @@
 #include <vector>
 
 namespace pagedserve {
+namespace cpu {
 
 class ThreadPool {
  public:
@@ -49,4 +50,5 @@ class ThreadPool {
   std::exception_ptr error_;
 };
 
+}  // namespace cpu
 }  // namespace pagedserve

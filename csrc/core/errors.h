@@ -19,7 +19,8 @@ class BlockPoolError : public PagedServeError {
   using PagedServeError::PagedServeError;
 };
 
-// allocate/append called without a successful can_allocate/can_append first.
+// allocate/append found no free block: called without a successful
+// can_allocate/can_append first (never used for other preconditions).
 class OutOfBlocksError : public PagedServeError {
  public:
   using PagedServeError::PagedServeError;
@@ -28,6 +29,14 @@ class OutOfBlocksError : public PagedServeError {
 // A request that can never be served (empty prompt, longer than the context,
 // more KV blocks than the whole pool, duplicate id, bad parameters).
 class RequestRejectedError : public PagedServeError {
+ public:
+  using PagedServeError::PagedServeError;
+};
+
+// An argument that breaks a documented precondition: a bad config value, a
+// position outside a block table, a sampled-token count that does not match
+// the last schedule(). Maps to a Python class that is also a ValueError.
+class InvalidArgumentError : public PagedServeError {
  public:
   using PagedServeError::PagedServeError;
 };

@@ -86,6 +86,11 @@ void BlockPool::mark_cached(int32_t block_id) {
   cached_[block_id] = true;
 }
 
+bool BlockPool::is_evictable(int32_t block_id) const {
+  check_range(block_id);
+  return in_lru_[block_id];
+}
+
 int32_t BlockPool::refcount(int32_t block_id) const {
   check_range(block_id);
   return refcounts_[block_id];

@@ -1,17 +1,26 @@
 #include "block_table.h"
 
-#include <stdexcept>
 #include <string>
+
+#include "errors.h"
 
 namespace pagedserve {
 
 int64_t BlockTable::slot(int32_t position) const {
   if (position < 0 || position >= capacity()) {
-    throw std::out_of_range("token position " + std::to_string(position) +
+    throw InvalidArgumentError("token position " + std::to_string(position) +
                             " outside block table capacity " + std::to_string(capacity()));
   }
   return static_cast<int64_t>(block_ids_[position / block_size_]) * block_size_ +
          position % block_size_;
+}
+
+void BlockTable::set_block(int32_t i, int32_t block_id) {
+  if (i < 0 || i >= num_blocks()) {
+    throw InvalidArgumentError("logical block " + std::to_string(i) + " outside block table of " +
+                               std::to_string(num_blocks()) + " blocks");
+  }
+  block_ids_[i] = block_id;
 }
 
 }  // namespace pagedserve

@@ -1,7 +1,9 @@
-// SchedulerOutput: what one engine step computes, as flat int32 arrays laid out
-// for a varlen (packed) batch, the FlashAttention / vLLM metadata convention.
-// B = scheduled sequences, T = total scheduled tokens, S = sequences that
-// sample a token this step (their last prompt/output token is computed now).
+// SchedulerOutput: what the scheduler decided for one engine step, and nothing
+// about how the model consumes it (vLLM v1 keeps the same split between its
+// SchedulerOutput and the model runner's input batch). B = scheduled
+// sequences, T = total scheduled tokens, S = sequences that sample a token
+// this step (their last known token is computed now). build_model_input()
+// (model_input.h) turns it into the flat varlen arrays the model runs on.
 #pragma once
 
 #include <cstdint>
@@ -13,18 +15,18 @@
 namespace pagedserve {
 
 struct SchedulerOutput {
+  int32_t block_size = 0;                     // tokens per KV block
   std::vector<std::string> request_ids;       // [B]
   std::vector<int32_t> seq_indices;           // [B] choice index of each sequence in its request
-  std::vector<int32_t> num_scheduled_tokens;  // [B] query length of each sequence
-  std::vector<int32_t> num_computed_tokens;   // [B] tokens already cached before this step
-  std::vector<int32_t> query_start_loc;       // [B+1] prefix sums of num_scheduled_tokens
-  std::vector<int32_t> seq_lens;              // [B] num_computed + num_scheduled (keys visible)
-  int32_t max_num_blocks_per_seq = 0;         // columns of block_tables
-  std::vector<int32_t> block_tables;          // [B, max_num_blocks_per_seq], row-major, -1 padded
-  std::vector<int32_t> input_ids;             // [T] token ids to compute
-  std::vector<int32_t> positions;             // [T] their positions (RoPE)
-  std::vector<int32_t> slot_mapping;          // [T] physical cache slot of each token
-  std::vector<int32_t> logits_indices;        // [S] flat token index whose logits are sampled
+  std::vector<int32_t> num_scheduled_tokens;  // [B] tokens computed this step (query length)
+  std::vector<int32_t> num_computed_tokens;   // [B] tokens already in the KV cache before this step
+  // [T] the scheduled tokens' ids, sequence after sequence (sequence b's start
+  // at the prefix sum of num_scheduled_tokens).
+  std::vector<int32_t> token_ids;
+  // Every scheduled sequence's block table, concatenated: sequence b owns
+  // block_ids[block_table_offsets[b] .. block_table_offsets[b + 1]) ([B + 1] offsets).
+  std::vector<int32_t> block_ids;
+  std::vector<int32_t> block_table_offsets;
   std::vector<int32_t> sampling_seq_indices;  // [S] row in [0, B) of each sampling sequence
   // [S] tokens to sample from each row: n for a request's first sample when it
   // forks into n sequences (parallel sampling), else 1. update() takes sum(num_samples).
@@ -34,7 +36,7 @@ struct SchedulerOutput {
   std::vector<std::string> preempted_request_ids;  // preempted while scheduling this step
 
   int32_t num_seqs() const { return static_cast<int32_t>(request_ids.size()); }
-  int32_t total_num_scheduled_tokens() const { return static_cast<int32_t>(input_ids.size()); }
+  int32_t total_num_scheduled_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_block_copies() const { return static_cast<int32_t>(blocks_to_copy.size() / 2); }
   bool empty() const { return request_ids.empty(); }
 };

@@ -1,5 +1,9 @@
 #include "prefix_cache.h"
 
+#include <string>
+
+#include "errors.h"
+
 namespace pagedserve {
 
 PrefixCache::PrefixCache(int32_t num_blocks) : hash_fn_(&PrefixCache::hash_block), entries_(num_blocks) {}
@@ -38,7 +42,8 @@ int32_t PrefixCache::lookup(const BlockHash& hash, const BlockHash* parent, cons
 
 bool PrefixCache::insert(int32_t block_id, const BlockHash& hash, const BlockHash* parent, const int32_t* tokens,
                          int32_t n, const std::string& extra_key) {
-  if (map_.count(hash) || entries_.at(block_id).has_value()) return false;
+  check_block(block_id);
+  if (map_.count(hash) || entries_[block_id].has_value()) return false;
   Entry e{hash, parent ? std::optional<BlockHash>(*parent) : std::nullopt, std::vector<int32_t>(tokens, tokens + n),
           extra_key};
   entries_[block_id] = std::move(e);
@@ -47,10 +52,23 @@ bool PrefixCache::insert(int32_t block_id, const BlockHash& hash, const BlockHas
 }
 
 void PrefixCache::erase_block(int32_t block_id) {
-  auto& e = entries_.at(block_id);
+  check_block(block_id);
+  auto& e = entries_[block_id];
   if (!e) return;
   map_.erase(e->hash);
   e.reset();
+}
+
+bool PrefixCache::is_cached(int32_t block_id) const {
+  check_block(block_id);
+  return entries_[block_id].has_value();
+}
+
+void PrefixCache::check_block(int32_t block_id) const {
+  if (block_id < 0 || static_cast<size_t>(block_id) >= entries_.size()) {
+    throw BlockPoolError("block id " + std::to_string(block_id) + " out of range [0, " +
+                         std::to_string(entries_.size()) + ")");
+  }
 }
 
 }  // namespace pagedserve

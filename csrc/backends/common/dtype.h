@@ -1,0 +1,9 @@
+// Element types of the tensors the kernels take (a plain enum: kernel
+// translation units built for other ISAs include it, so it holds no inline code).
+#pragma once
+
+namespace pagedserve {
+
+enum class DType { kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
+
+}  // namespace pagedserve

@@ -1,0 +1,186 @@
+#include "attention_cpu.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "core/errors.h"
+#include "thread_pool.h"
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+using bf16 = uint16_t;
+
+// The caches of one layer: k [N, Hkv, D, bs], v [N, Hkv, bs, D], same dtype, contiguous.
+void check_caches(const TensorArg& k_cache, const TensorArg& v_cache, int64_t num_blocks, int64_t num_kv_heads,
+                  int64_t head_dim, int64_t block_size) {
+  k_cache.check_contiguous();
+  v_cache.check_contiguous();
+  k_cache.check_shape({num_blocks, num_kv_heads, head_dim, block_size});
+  v_cache.check_shape({num_blocks, num_kv_heads, block_size, head_dim});
+  v_cache.check_dtype(k_cache.dtype);
+  if (k_cache.dtype != DType::kFloat32 && k_cache.dtype != DType::kBFloat16) {
+    throw KernelArgumentError("k_cache must be float32 or bfloat16, got " + std::string(dtype_name(k_cache.dtype)));
+  }
+}
+
+// Writes token t of src [T, Hkv, D] at slot: V rows as [bs, D], K transposed as [D, bs].
+template <typename T>
+void write_token(const TensorArg& src, int64_t t, T* cache, int64_t slot, int64_t hkv, int64_t d, int64_t bs,
+                 bool transposed) {
+  const int64_t block = slot / bs, off = slot % bs;
+  for (int64_t h = 0; h < hkv; ++h) {
+    const T* s = src.ptr<T>() + t * src.strides[0] + h * src.strides[1];
+    T* base = cache + (block * hkv + h) * bs * d;
+    if (transposed) {
+      for (int64_t i = 0; i < d; ++i) base[i * bs + off] = s[i];
+    } else {
+      std::memcpy(base + off * d, s, d * sizeof(T));
+    }
+  }
+}
+
+}  // namespace
+
+int64_t kernel_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
+  const int64_t rows = group * kQueryChunk;
+  return rows * head_dim * 2 + rows * 2 + block_size + block_size * head_dim * 2;
+}
+
+void reshape_and_cache(const TensorArg& key, const TensorArg& value, const TensorArg& k_cache,
+                       const TensorArg& v_cache, const TensorArg& slot_mapping) {
+  k_cache.check_dim(4);
+  const int64_t num_blocks = k_cache.size(0), hkv = k_cache.size(1), d = k_cache.size(2), bs = k_cache.size(3);
+  check_caches(k_cache, v_cache, num_blocks, hkv, d, bs);
+  check_token_heads(key, -1, hkv, d, k_cache.dtype);
+  const int64_t T = key.size(0);
+  check_token_heads(value, T, hkv, d, k_cache.dtype);
+  const std::vector<int64_t> slots = check_slot_mapping(slot_mapping, T, num_blocks * bs);
+  for (int64_t t = 0; t < T; ++t) {
+    if (slots[t] < 0) continue;
+    if (k_cache.dtype == DType::kFloat32) {
+      write_token<float>(key, t, k_cache.ptr<float>(), slots[t], hkv, d, bs, true);
+      write_token<float>(value, t, v_cache.ptr<float>(), slots[t], hkv, d, bs, false);
+    } else {
+      write_token<bf16>(key, t, k_cache.ptr<bf16>(), slots[t], hkv, d, bs, true);
+      write_token<bf16>(value, t, v_cache.ptr<bf16>(), slots[t], hkv, d, bs, false);
+    }
+  }
+}
+
+AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens,
+                             const TensorArg& block_tables, int64_t num_heads, int64_t num_kv_heads,
+                             int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal, int num_threads)
+    : g_(check_attention_metadata(query_start_loc, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
+                                  block_size, num_blocks)),
+      causal_(causal),
+      isa_(&active_isa()) {
+  const auto copy = [](const TensorArg& t) {
+    const int32_t* p = t.ptr<int32_t>();
+    return std::vector<int32_t>(p, p + t.numel());
+  };
+  query_start_loc_ = copy(query_start_loc);
+  seq_lens_ = copy(seq_lens);
+  block_tables_ = copy(block_tables);
+  const int32_t* qsl = query_start_loc_.data();
+  const int32_t* lens = seq_lens_.data();
+
+  int64_t base_items = 0;
+  for (int64_t b = 0; b < g_.num_seqs; ++b) {
+    const int64_t q_len = qsl[b + 1] - qsl[b];
+    if (q_len > 0) base_items += g_.num_kv_heads * ((q_len + kQueryChunk - 1) / kQueryChunk);
+  }
+  const int64_t target = 4 * static_cast<int64_t>(std::max(num_threads, 1));
+  const int64_t split_factor = base_items > 0 && base_items < target ? (target + base_items - 1) / base_items : 1;
+  for (int32_t b = 0; b < g_.num_seqs; ++b) {
+    const int32_t q_len = qsl[b + 1] - qsl[b];
+    if (q_len == 0) continue;
+    const int32_t seq_len = lens[b];
+    const int32_t nb = static_cast<int32_t>((seq_len + g_.block_size - 1) / g_.block_size);
+    for (int32_t hk = 0; hk < g_.num_kv_heads; ++hk) {
+      int32_t splits = 1;
+      if (q_len == 1 && split_factor > 1) {
+        splits = static_cast<int32_t>(std::min<int64_t>(split_factor, std::max(1, nb / kMinBlocksPerSplit)));
+      }
+      if (splits > 1) {
+        split_groups_.push_back({b, hk, splits, static_cast<int64_t>(items_.size())});
+        const int32_t per = (nb + splits - 1) / splits;
+        for (int32_t sp = 0; sp < splits; ++sp) {
+          items_.push_back({b, hk, 0, 1, sp * per, std::min(nb, (sp + 1) * per), sp});
+        }
+        continue;
+      }
+      for (int32_t q0 = 0; q0 < q_len; q0 += kQueryChunk) {
+        const int32_t q1 = std::min(q_len, q0 + kQueryChunk);
+        // causal: the chunk's last query sees keys up to its own position
+        const int64_t last_pos = causal ? seq_len - q_len + q1 - 1 : seq_len - 1;
+        items_.push_back({b, hk, q0, q1, 0, static_cast<int32_t>(last_pos / g_.block_size + 1), -1});
+      }
+    }
+  }
+  int64_t n_partial = 0;
+  partial_slot_.assign(items_.size(), -1);
+  for (size_t i = 0; i < items_.size(); ++i) {
+    if (items_[i].split >= 0) partial_slot_[i] = n_partial++;
+  }
+  partial_acc_.resize(n_partial * g_.group() * g_.head_dim);
+  partial_ml_.resize(n_partial * g_.group());
+  pool_ = ThreadPool::get(num_threads);
+  scratch_.assign(pool_->num_threads(),
+                  std::vector<float>(kernel_scratch_floats(g_.group(), g_.head_dim, g_.block_size)));
+}
+
+AttentionPlan::~AttentionPlan() = default;
+
+int AttentionPlan::num_threads() const { return pool_->num_threads(); }
+
+void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const TensorArg& k_cache,
+                        const TensorArg& v_cache, float scale) {
+  check_caches(k_cache, v_cache, g_.num_blocks, g_.num_kv_heads, g_.head_dim, g_.block_size);
+  check_token_heads(query, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
+  check_token_heads(out, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
+  std::lock_guard<std::mutex> lock(mu_);
+  KernelArgs a{};
+  a.dtype = k_cache.dtype;
+  a.query = query.data;
+  a.query_stride_token = query.strides[0];
+  a.query_stride_head = query.strides[1];
+  a.out = out.data;
+  a.out_stride_token = out.strides[0];
+  a.out_stride_head = out.strides[1];
+  a.k_cache = k_cache.data;
+  a.v_cache = v_cache.data;
+  a.query_start_loc = query_start_loc_.data();
+  a.seq_lens = seq_lens_.data();
+  a.block_tables = block_tables_.data();
+  a.num_kv_heads = g_.num_kv_heads;
+  a.group = g_.group();
+  a.head_dim = g_.head_dim;
+  a.block_size = g_.block_size;
+  a.max_blocks = g_.max_blocks;
+  a.scale = scale;
+  a.causal = causal_;
+  const KernelTable& k = isa_->table();
+  const int64_t rows = g_.group() * g_.head_dim;
+  pool_->run(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {
+    const int64_t ps = partial_slot_[i];
+    k.run_item(a, items_[i], scratch_[worker].data(), ps >= 0 ? partial_acc_.data() + ps * rows : nullptr,
+               ps >= 0 ? partial_ml_.data() + ps * g_.group() : nullptr);
+  });
+  pool_->run(static_cast<int64_t>(split_groups_.size()), [&](int64_t i, int worker) {
+    const SplitGroup& sg = split_groups_[i];
+    const int64_t ps = partial_slot_[sg.first_item];
+    k.merge_splits(a, sg.b, sg.hk, sg.splits, partial_acc_.data() + ps * rows, partial_ml_.data() + ps * g_.group(),
+                   scratch_[worker].data());
+  });
+}
+
+size_t paged_attention_scratch_bytes(int num_heads, int num_kv_heads, int head_dim, int block_size) {
+  return static_cast<size_t>(kernel_scratch_floats(num_heads / std::max(num_kv_heads, 1), head_dim, block_size)) *
+         sizeof(float);
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,97 @@
+// pybind11 bindings of the CPU backend: the submodule pagedserve._core.cpu
+// (registered through binding_registry.h; pagedserve.kernels.cpu wraps it).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+
+#include "attention_cpu.h"
+#include "binding_registry.h"
+#include "cpu_features.h"
+#include "cpu_isa.h"
+
+namespace py = pybind11;
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+void bind_cpu(py::module_& m) {
+  m.def(
+      "cpu_features", [] { return cpu_features().names(); },
+      "Names of the features of this CPU the kernels and the dtype choice care about "
+      "(CPUID/XGETBV on x86-64: a feature the OS does not enable counts as absent).");
+  m.def("cpu_arch", [] { return cpu_features().arch; }, "'x86_64', 'arm64' or 'other'.");
+  m.def(
+      "native_bf16", [] { return cpu_features().native_bf16(); },
+      "True if the CPU has native bfloat16 arithmetic (avx512_bf16, AMX-BF16 or Arm BF16).");
+  m.def(
+      "compiled_isas",
+      [] {
+        py::list out;
+        for (const IsaVariant& v : compiled_isas()) {
+          out.append(py::make_tuple(v.name, v.supported(), v.requires_));
+        }
+        return out;
+      },
+      "[(name, supported on this CPU, what it needs)] of the kernel variants in this build, lowest ISA first.");
+  m.def(
+      "kernel_isa", [] { return std::string(active_isa().name); },
+      "The kernel variant in use (the best supported, or PAGEDSERVE_CPU_ISA's). Raises InvalidArgumentError "
+      "if PAGEDSERVE_CPU_ISA names a variant that is not compiled in or that this CPU cannot execute.");
+  m.def("set_kernel_isa", &set_active_isa, py::arg("name"),
+        "Switches the kernel variant (plans built afterwards use it). Raises InvalidArgumentError.");
+
+  m.def(
+      "reshape_and_cache",
+      [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping) {
+        auto k = tensor_arg(key, "key"), v = tensor_arg(value, "value");
+        auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
+        auto sm = tensor_arg(slot_mapping, "slot_mapping");
+        py::gil_scoped_release release;
+        reshape_and_cache(k, v, kc, vc, sm);
+      },
+      py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      "Writes key/value [T, Hkv, D] into k_cache [N, Hkv, D, block_size] (transposed) and v_cache "
+      "[N, Hkv, block_size, D] at slot_mapping [T] int64. Raises KernelArgumentError.");
+
+  py::class_<AttentionPlan, std::shared_ptr<AttentionPlan>>(m, "AttentionPlan",
+                                                            "One step's validated metadata and work partition.")
+      .def(py::init([](py::handle qsl, py::handle seq_lens, py::handle block_tables, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal,
+                       int num_threads) {
+             auto q = tensor_arg(qsl, "query_start_loc"), s = tensor_arg(seq_lens, "seq_lens");
+             auto t = tensor_arg(block_tables, "block_tables");
+             return std::make_shared<AttentionPlan>(q, s, t, num_heads, num_kv_heads, head_dim, block_size,
+                                                    num_blocks, causal, num_threads);
+           }),
+           py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("num_heads"),
+           py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"),
+           py::arg("causal") = true, py::arg("num_threads") = 1)
+      .def_property_readonly("isa", [](const AttentionPlan& p) { return std::string(p.isa()); })
+      .def_property_readonly("num_work_items", &AttentionPlan::num_work_items)
+      .def_property_readonly("num_split_groups", &AttentionPlan::num_split_groups)
+      .def_property_readonly("num_threads", &AttentionPlan::num_threads)
+      .def_property_readonly("num_tokens", [](const AttentionPlan& p) { return p.geometry().num_tokens; })
+      .def(
+          "run",
+          [](AttentionPlan& p, py::handle out, py::handle query, py::handle k_cache, py::handle v_cache,
+             float scale) {
+            auto o = tensor_arg(out, "out"), q = tensor_arg(query, "query");
+            auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
+            py::gil_scoped_release release;
+            p.run(o, q, kc, vc, scale);
+          },
+          py::arg("out"), py::arg("query"), py::arg("k_cache"), py::arg("v_cache"), py::arg("scale"),
+          "out [T, H, D] = paged attention of query [T, H, D] over one layer's caches. Raises KernelArgumentError.");
+
+  m.def("paged_attention_scratch_bytes", &paged_attention_scratch_bytes, py::arg("num_heads"),
+        py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"),
+        "Scratch bytes one worker of paged_attention uses, independent of sequence length.");
+}
+
+const BackendBinding registration("cpu", &bind_cpu);
+
+}  // namespace
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,84 @@
+"""What this machine can do, read once, and the choices that follow from it:
+the default dtype (``--dtype auto``) and whether the linear layers may run
+through oneDNN in a given dtype. CPU features come from the C++ core's own
+detection (CPUID/XGETBV on x86-64, getauxval/sysctl on arm64), the same one
+that picks the attention kernel's ISA variant; whether torch's oneDNN bf16
+path works comes from torch itself, since it is torch's path.
+
+Tests replace ``cpu_capabilities`` (monkeypatch) to play a CPU without a feature.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from . import _core
+
+
+@dataclass(frozen=True)
+class CpuCapabilities:
+    """Facts about this CPU that choose dtypes and GEMM paths.
+
+    Attributes:
+        arch: "x86_64", "arm64" or "other".
+        features: names from the C++ detector, e.g. ("avx2", "fma", "avx512_bf16").
+        native_bf16: bfloat16 arithmetic in hardware (avx512_bf16, AMX-BF16 or Arm BF16).
+        onednn_bf16: torch's oneDNN bf16 linear path runs here (it needs
+            avx512bw/vl/dq or avx_ne_convert on x86-64, BF16 on arm64).
+        kernel_isa: the attention kernel variant in use ("avx512", "avx2", "baseline", "neon").
+    """
+
+    arch: str
+    features: tuple[str, ...]
+    native_bf16: bool
+    onednn_bf16: bool
+    kernel_isa: str
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_capabilities() -> CpuCapabilities:
+    """This CPU's capabilities (detected once per process).
+
+    Raises pagedserve.errors.InvalidArgumentError if PAGEDSERVE_CPU_ISA names a
+    kernel variant this build lacks or this CPU cannot execute.
+    """
+    onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return CpuCapabilities(arch=_core.cpu.cpu_arch(), features=tuple(_core.cpu.cpu_features()),
+                           native_bf16=_core.cpu.native_bf16(), onednn_bf16=onednn_bf16,
+                           kernel_isa=_core.cpu.kernel_isa())
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str, device: str = "cpu") -> tuple[torch.dtype, str]:
+    """Maps ``--dtype`` to a torch dtype and the reason for the choice.
+
+    "auto" on CPU: bfloat16 where the CPU has native bf16 arithmetic
+    (avx512_bf16, AMX or Arm BF16), float32 otherwise; on a GPU device:
+    bfloat16. Raises ValueError for an unknown name.
+    """
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got '{dtype}'")
+        return DTYPES[dtype], "asked for"
+    if torch.device(device).type != "cpu":
+        return torch.bfloat16, f"auto: {device} device"
+    caps = cpu_capabilities()
+    if caps.native_bf16:
+        have = [f for f in caps.features if f in ("avx512_bf16", "amx_bf16", "bf16")]
+        return torch.bfloat16, f"auto: the CPU has native bfloat16 arithmetic ({', '.join(have)})"
+    return torch.float32, "auto: the CPU has no native bfloat16 arithmetic (no avx512_bf16, AMX-BF16 or Arm BF16)"
+
+
+def onednn_linear_unsupported(dtype: torch.dtype) -> str | None:
+    """Why the oneDNN linear path cannot run in ``dtype`` on this CPU, or None if it can."""
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if dtype == torch.bfloat16 and not cpu_capabilities().onednn_bf16:
+        return ("oneDNN's bfloat16 linear needs avx512bw/avx512vl/avx512dq or avx_ne_convert "
+                "(x86-64) or BF16 (arm64), which this CPU lacks")
+    return None

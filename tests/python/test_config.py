@@ -1,0 +1,55 @@
+"""One configuration path: EngineArgs' fields are the server's engine flags
+and LLM's keywords, with one set of defaults."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from pagedserve import LLM, EngineArgs
+from pagedserve.server.__main__ import build_parser
+
+
+def test_every_engine_argument_is_a_flag_with_the_same_default():
+    parser = build_parser()
+    args = parser.parse_args([])
+    assert EngineArgs.from_cli_args(args) == EngineArgs()
+    dests = {a.dest for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in dests, f"--{f.name.replace('_', '-')} missing"
+        assert f.metadata.get("help"), f"{f.name} has no help"
+
+
+def test_flags_parse_into_engine_args():
+    args = build_parser().parse_args([
+        "--model", "m", "--dtype", "float32", "--block-size", "32", "--kv-cache-memory", "512MiB",
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--no-onednn-linear", "--attention-backend", "torch",
+        "--skip-tokenizer-init", "--device", "cpu", "--port", "9000"])
+    e = EngineArgs.from_cli_args(args)
+    assert (e.model, e.dtype, e.block_size, e.kv_cache_memory, e.max_num_seqs) == ("m", "float32", 32, 2**29, 8)
+    assert not e.enable_prefix_caching and not e.onednn_linear and e.skip_tokenizer_init
+    assert e.attention_backend == "torch" and args.port == 9000
+
+
+def test_bad_values_are_refused():
+    with pytest.raises(ValueError, match="block_size"):
+        EngineArgs(block_size=8)
+    with pytest.raises(ValueError, match="dtype"):
+        EngineArgs(dtype="float64")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--attention-backend", "nope"])
+
+
+def test_llm_takes_keywords_only():
+    with pytest.raises(TypeError):
+        LLM("some-model")
+    with pytest.raises(TypeError, match="no_such_option"):
+        LLM(no_such_option=1)
+
+
+def test_help_lists_the_registered_backends():
+    out = subprocess.run([sys.executable, "-m", "pagedserve.server", "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    assert "{auto,cpu,torch}" in out.replace("\n", "").replace(" ", "") or "auto,cpu,torch" in out
+    assert "--dtype" in out and "--device" in out and "--no-enable-prefix-caching" in out

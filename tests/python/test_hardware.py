@@ -1,0 +1,143 @@
+"""CPU capabilities decide, never a crash: --dtype auto, the linear layers'
+GEMM path, the attention kernel's ISA variant; and whatever cannot run here
+fails at start-up with the reason, never at the first request. The last test
+runs the engine on an emulated AVX2-only CPU (qemu-user), whatever CPU runs
+the suite."""
+
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams, _core, hardware
+from pagedserve.model.runner import OneDNNLinear
+from conftest import hf_greedy
+
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), list(range(200, 217))]
+PARAMS = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def fake_caps(monkeypatch, **changes):
+    caps = dataclasses.replace(hardware.cpu_capabilities(), **changes)
+    monkeypatch.setattr(hardware, "cpu_capabilities", lambda: caps)
+    return caps
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> float:
+    pairs = [(x, y) for s, t in zip(a, b) for x, y in zip(s, t)]
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def test_dtype_auto_resolves_from_this_cpu(tiny_llama_dir):
+    caps = hardware.cpu_capabilities()
+    want = torch.bfloat16 if caps.native_bf16 else torch.float32
+    dtype, why = hardware.resolve_dtype("auto")
+    print(f"this CPU: {caps.arch}, native bf16 {caps.native_bf16}, kernel variant {caps.kernel_isa} -> {dtype}")
+    assert dtype == want and why.startswith("auto:")
+    assert caps.native_bf16 == any(f in caps.features for f in ("avx512_bf16", "amx_bf16", "bf16"))
+    llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16)  # dtype auto is the default
+    assert llm.engine.dtype == want and llm.engine.kv_cache.store.dtype == want
+
+
+def test_dtype_auto_follows_the_capabilities(monkeypatch):
+    fake_caps(monkeypatch, native_bf16=False, features=("avx", "avx2", "fma"))
+    assert hardware.resolve_dtype("auto") == (torch.float32, "auto: the CPU has no native bfloat16 arithmetic "
+                                              "(no avx512_bf16, AMX-BF16 or Arm BF16)")
+    fake_caps(monkeypatch, native_bf16=True, features=("avx2", "avx512_bf16"))
+    dtype, why = hardware.resolve_dtype("auto")
+    assert dtype == torch.bfloat16 and "avx512_bf16" in why
+    assert hardware.resolve_dtype("float32")[0] == torch.float32
+
+
+def test_bfloat16_without_the_onednn_path_serves_with_torchs_gemm(tiny_llama_dir, monkeypatch):
+    """What an AVX2-only CPU gets for --dtype bfloat16: torch's own bf16 GEMM,
+    chosen at start-up and logged, and correct outputs."""
+    fake_caps(monkeypatch, onednn_bf16=False)
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=32)
+    assert "torch's default GEMM" in llm.engine.linear_path and "avx512bw" in llm.engine.linear_path
+    assert not any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())
+    got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    want = hf_greedy(tiny_llama_dir, PROMPTS, 8)
+    # bfloat16 rounds differently from the float32 reference (a broken path would agree ~1 in 512)
+    assert agreement(got, want) >= 0.5
+
+
+def test_the_onednn_path_is_used_only_where_it_runs(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=16)
+    uses = any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())
+    assert uses == hardware.cpu_capabilities().onednn_bf16
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    assert any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())  # fp32 oneDNN runs on any x86
+
+
+def test_a_path_that_cannot_run_fails_at_start_up_not_at_the_first_request(tiny_llama_dir, monkeypatch):
+    def crash(self, x):
+        raise RuntimeError("mkldnn_linear: bf16 path needs the cpu support avx_ne_convert or avx512bw")
+
+    monkeypatch.setattr(OneDNNLinear, "forward", crash)
+    with pytest.raises(RuntimeError, match="start-up check step failed.*avx_ne_convert"):
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+
+
+def _run(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+def test_an_environment_variable_forces_a_lower_kernel_variant_and_never_a_missing_one(tiny_llama_dir):
+    compiled = _core.cpu.compiled_isas()
+    lowest = compiled[0][0]
+    r = _run("from pagedserve import _core; print(_core.cpu.kernel_isa())", {"PAGEDSERVE_CPU_ISA": lowest})
+    assert r.stdout.strip() == lowest, r.stderr
+    for name, ok, needs in compiled + [("avx9000", False, "")]:
+        if ok:
+            continue
+        r = subprocess.run([sys.executable, "-m", "pagedserve.server", "--model", tiny_llama_dir,
+                            "--skip-tokenizer-init", "--port", "1"], capture_output=True, text=True, timeout=300,
+                           env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_CPU_ISA": name})
+        assert r.returncode != 0
+        assert f"cannot start: PAGEDSERVE_CPU_ISA names CPU kernel variant '{name}'" in r.stderr, r.stderr[-2000:]
+
+
+QEMU = shutil.which("qemu-x86_64")
+EMULATED = """
+import json, sys
+from pagedserve import LLM, SamplingParams
+from pagedserve.hardware import cpu_capabilities
+caps = cpu_capabilities()
+res = {"isa": caps.kernel_isa, "onednn_bf16": caps.onednn_bf16, "native_bf16": caps.native_bf16}
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+for dtype in ("auto", "bfloat16"):
+    llm = LLM(model=sys.argv[1], dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=32)
+    res[dtype] = {"dtype": str(llm.engine.dtype), "linear": llm.engine.linear_path,
+                  "tokens": [o.outputs[0].token_ids for o in llm.generate(json.loads(sys.argv[2]), params,
+                                                                          use_tqdm=False)]}
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="emulates an x86-64 CPU")
+@pytest.mark.skipif(QEMU is None, reason="qemu-x86_64 (Debian's qemu-user) is not installed: cannot emulate an "
+                                         "AVX2-only CPU")
+def test_the_engine_on_an_emulated_avx2_only_cpu(tiny_llama_dir):
+    """qemu-user's Haswell has AVX2 and FMA but no AVX-512 and no bf16, like the
+    CPUs where main once crashed: the kernels must pick avx2, --dtype auto
+    float32, --dtype bfloat16 torch's GEMM, and both must produce the right tokens."""
+    r = subprocess.run([QEMU, "-cpu", "Haswell-v4", sys.executable, "-c", EMULATED, tiny_llama_dir,
+                        json.dumps(PROMPTS)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    print(res)
+    assert res["isa"] == "avx2" and not res["onednn_bf16"] and not res["native_bf16"]
+    assert res["auto"]["dtype"] == "torch.float32"
+    assert res["bfloat16"]["dtype"] == "torch.bfloat16" and "torch's default GEMM" in res["bfloat16"]["linear"]
+    want = hf_greedy(tiny_llama_dir, PROMPTS, 8)
+    assert res["auto"]["tokens"] == want  # float32 on the emulated CPU: the reference's tokens
+    assert agreement(res["bfloat16"]["tokens"], want) >= 0.5
