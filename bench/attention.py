@@ -11,8 +11,9 @@ backend's own reshape_and_cache into its own layout. Latency: median of
 --repeats calls of one layer's paged_attention with the step's plan built once
 (as every layer of a step shares it); the plan's own build time is reported
 apart. Memory: growth of the process's peak resident set during the first call
-in a fresh process (measured, 4 KiB page resolution; inputs are allocated and
-touched before).
+in a fresh process (measured, 4 KiB page resolution: the kernel's peak-RSS mark
+is reset to the current RSS just before the call through /proc/self/clear_refs;
+inputs are allocated and touched before).
 
     python bench/attention.py [--batch 16] [--heads 12] [--seq-lens 128 512 2048]
 """
@@ -64,19 +65,43 @@ def make_inputs(backend_name: str, b: int, h: int, s: int, d: int = 64, block_si
 
 
 def gather_attention(backend, query, k_cache, v_cache, md, scale):
-    """The gather baseline on the torch backend's layout [N, Hkv, block_size, D]."""
+    """The gather baseline on the torch backend's layout [N, Hkv, block_size, D]:
+    one sequence at a time, its blocks copied into a contiguous K/V, then SDPA."""
     from pagedserve.kernels.torch_ref import dense_attention
 
-    keys, values = [], []
+    bs, hkv, d = k_cache.shape[2], k_cache.shape[1], k_cache.shape[3]
+    qsl = md.query_start_loc.tolist()
+    out = torch.empty(query.shape, dtype=torch.float32)
     for b, n in enumerate(md.seq_lens.tolist()):
-        ids = md.block_tables[b, : (n + k_cache.shape[2] - 1) // k_cache.shape[2]].long()
-        keys.append(k_cache[ids].transpose(1, 2).reshape(-1, k_cache.shape[1], k_cache.shape[3])[:n])
-        values.append(v_cache[ids].transpose(1, 2).reshape(-1, v_cache.shape[1], v_cache.shape[3])[:n])
-    return dense_attention(query, keys, values, md.query_start_loc, scale)
+        ids = md.block_tables[b, : (n + bs - 1) // bs].long()
+        keys = k_cache[ids].transpose(1, 2).reshape(-1, hkv, d)[:n]
+        values = v_cache[ids].transpose(1, 2).reshape(-1, hkv, d)[:n]
+        q = query[qsl[b]:qsl[b + 1]]
+        out[qsl[b]:qsl[b + 1]] = dense_attention(q, [keys], [values], torch.tensor([0, q.shape[0]]), scale)
+    return out
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_peak_rss() -> int:
+    """Resets the peak-RSS mark to the current RSS (Linux >= 4.0); returns the
+    current RSS in bytes. Falls back to the lifetime peak where that fails."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return _status_kib("VmRSS") * 1024
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    try:
+        return _status_kib("VmHWM") * 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def worker(method: str, b: int, h: int, s: int, repeats: int) -> dict:
@@ -87,7 +112,7 @@ def worker(method: str, b: int, h: int, s: int, repeats: int) -> dict:
         type(backend).use_variant(variant)
     scale = query.shape[-1] ** -0.5
     with torch.inference_mode():
-        before = peak_rss_bytes()
+        before = reset_peak_rss()
         t0 = time.perf_counter()
         plan = None if name == "gather" else backend.make_plan(md)
         plan_ms = (time.perf_counter() - t0) * 1e3
@@ -140,7 +165,8 @@ def main() -> None:
             r = rows[(m, s)]
             mem = r["peak_mem_bytes"]
             mem_s = f"{mem / 2**20:.2f} MiB" if mem >= 4096 else "< 4 KiB"
-            ratio = f"{base['peak_mem_bytes'] / max(mem, 4096):.0f}x" + ("" if mem >= 4096 else " (at least)")
+            r_mem = base["peak_mem_bytes"] / max(mem, 4096)
+            ratio = (f"{r_mem:.0f}x" if r_mem >= 10 else f"{r_mem:.1f}x") + ("" if mem >= 4096 else " (at least)")
             plan = "" if m == "gather" else f"{r['plan_ms']:.3f}"
             print(f"| {s} | {m} | {r['median_ms']:.3f} | {r['median_ms'] / base['median_ms']:.2f} | {plan} | "
                   f"{mem_s} | {ratio} |")

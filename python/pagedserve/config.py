@@ -12,6 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from . import _core
 
 _CXX = _core.SchedulerConfig()  # the C++ struct's defaults
@@ -76,6 +78,10 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
+        try:
+            torch.device(self.device)
+        except RuntimeError as e:
+            raise ValueError(f"device must be a torch device such as cpu, cuda or mps: {e}") from e
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         if self.max_model_len is not None and self.max_model_len < 2:

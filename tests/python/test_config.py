@@ -37,6 +37,8 @@ def test_bad_values_are_refused():
         EngineArgs(block_size=8)
     with pytest.raises(ValueError, match="dtype"):
         EngineArgs(dtype="float64")
+    with pytest.raises(ValueError, match="torch device"):
+        EngineArgs(device="gpu-please")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--attention-backend", "nope"])
 

@@ -163,16 +163,17 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
   a.scale = scale;
   a.causal = causal_;
   const KernelTable& k = isa_->table();
-  const int64_t rows = g_.group() * g_.head_dim;
+  const int64_t per_split = g_.group() * g_.head_dim;  // floats of one split item's partial accumulators
   pool_->run(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {
     const int64_t ps = partial_slot_[i];
-    k.run_item(a, items_[i], scratch_[worker].data(), ps >= 0 ? partial_acc_.data() + ps * rows : nullptr,
+    k.run_item(a, items_[i], scratch_[worker].data(), ps >= 0 ? partial_acc_.data() + ps * per_split : nullptr,
                ps >= 0 ? partial_ml_.data() + ps * g_.group() : nullptr);
   });
   pool_->run(static_cast<int64_t>(split_groups_.size()), [&](int64_t i, int worker) {
     const SplitGroup& sg = split_groups_[i];
     const int64_t ps = partial_slot_[sg.first_item];
-    k.merge_splits(a, sg.b, sg.hk, sg.splits, partial_acc_.data() + ps * rows, partial_ml_.data() + ps * g_.group(),
+    k.merge_splits(a, sg.b, sg.hk, sg.splits, partial_acc_.data() + ps * per_split,
+                   partial_ml_.data() + ps * g_.group(),
                    scratch_[worker].data());
   });
 }
