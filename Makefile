@@ -32,10 +32,12 @@ test-cpp:
 	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/cpp -j2
 	cd build/cpp && ctest --output-on-failure
+	@echo "CPU kernel variants the C++ tests exercised:"
+	@cd build/cpp && ctest -R 'CpuIsa|emulated' -V 2>&1 | grep -F '[ isa ]' | sed 's/^[0-9]*: */  /'
 
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
 test-python: $(STAMP)
-	cd tests && ../$(PY) -m pytest python -q
+	cd tests && ../$(PY) -m pytest python -q -rs
 
 test: test-cpp test-python
 

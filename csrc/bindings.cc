@@ -9,7 +9,9 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <type_traits>
 
+#include "backends/common/attention_checks.h"
 #include "backends/common/tensor_arg.h"
 #include "binding_registry.h"
 #include "core/block_pool.h"
@@ -32,8 +34,14 @@ std::vector<const BackendBinding*>& backend_bindings() {
 }
 
 TensorArg tensor_arg(const py::handle& t, const char* name) {
-  if (!py::hasattr(t, "data_ptr") || !py::hasattr(t, "stride")) {
-    throw KernelArgumentError(std::string(name) + " must be a torch tensor");
+  static const py::object tensor_type = py::module_::import("torch").attr("Tensor");
+  if (!py::isinstance(t, tensor_type)) throw KernelArgumentError(std::string(name) + " must be a torch tensor");
+  if (py::str(t.attr("layout")).cast<std::string>() != "torch.strided") {
+    throw KernelArgumentError(std::string(name) + " must be a dense (strided) tensor, got layout " +
+                              py::str(t.attr("layout")).cast<std::string>());
+  }
+  if (t.attr("is_neg")().cast<bool>() || t.attr("is_conj")().cast<bool>()) {
+    throw KernelArgumentError(std::string(name) + " is a lazy negated or conjugated view: materialise it first");
   }
   if (py::str(t.attr("device").attr("type")).cast<std::string>() != "cpu") {
     throw KernelArgumentError(std::string(name) + " must be a CPU tensor");
@@ -57,19 +65,22 @@ TensorArg tensor_arg(const py::handle& t, const char* name) {
 
 namespace {
 
-// A numpy view of a vector owned by `owner` (writable so torch.from_numpy can
-// wrap it without a copy; the owner is immutable once built).
+// A numpy view of a vector owned by `owner`. SchedulerOutput's views are
+// read-only (C++ reads them again in build_model_input); ModelInput's are
+// writable only so torch.from_numpy can wrap them without a copy.
 template <typename T>
-py::array view(const py::object& owner, const std::vector<T>& v, std::vector<py::ssize_t> shape) {
+py::array view(const py::object& owner, const std::vector<T>& v, std::vector<py::ssize_t> shape, bool writable) {
   std::vector<py::ssize_t> strides(shape.size(), sizeof(T));
   for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
-  return py::array(py::dtype::of<T>(), shape, strides, v.data(), owner);
+  py::array a(py::dtype::of<T>(), shape, strides, v.data(), owner);
+  if (!writable) a.attr("setflags")(py::arg("write") = false);
+  return a;
 }
 
 template <typename Owner, typename T, std::vector<T> Owner::*Field>
 py::array flat_view(const py::object& self) {
   const auto& v = self.cast<const Owner&>().*Field;
-  return view(self, v, {static_cast<py::ssize_t>(v.size())});
+  return view(self, v, {static_cast<py::ssize_t>(v.size())}, std::is_same_v<Owner, ModelInput>);
 }
 
 // One Python exception class per core error: pagedserve._core.<name>, derived
@@ -123,6 +134,20 @@ PYBIND11_MODULE(_core, m) {
       PyErr_SetString(base, e.what());
     }
   });
+
+  m.def(
+      "check_attention_metadata",
+      [](py::handle qsl, py::handle seq_lens, py::handle block_tables, int64_t num_heads, int64_t num_kv_heads,
+         int64_t head_dim, int64_t block_size, int64_t num_blocks) {
+        auto q = tensor_arg(qsl, "query_start_loc"), s = tensor_arg(seq_lens, "seq_lens");
+        auto t = tensor_arg(block_tables, "block_tables");
+        return check_attention_metadata(q, s, t, num_heads, num_kv_heads, head_dim, block_size, num_blocks)
+            .num_tokens;
+      },
+      py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("num_heads"),
+      py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"),
+      "The attention-metadata checks every backend shares (csrc/backends/common/attention_checks.h) on host "
+      "int32 tensors; returns the number of query tokens. Raises KernelArgumentError.");
 
   py::class_<BlockPool>(m, "BlockPool")
       .def(py::init<int32_t>(), py::arg("num_blocks"))
@@ -231,7 +256,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_samples", &flat_view<SO, int32_t, &SO::num_samples>)
       .def_property_readonly("blocks_to_copy", [](const py::object& self) {
         const auto& o = self.cast<const SO&>();
-        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.num_block_copies()), 2});
+        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.num_block_copies()), 2}, false);
       });
 
   using MI = ModelInput;
@@ -250,11 +275,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("block_tables", [](const py::object& self) {
         const auto& o = self.cast<const MI&>();
         return view(self, o.block_tables,
-                    {static_cast<py::ssize_t>(o.num_seqs()), static_cast<py::ssize_t>(o.max_num_blocks_per_seq)});
+                    {static_cast<py::ssize_t>(o.num_seqs()), static_cast<py::ssize_t>(o.max_num_blocks_per_seq)},
+                    true);
       })
       .def_property_readonly("blocks_to_copy", [](const py::object& self) {
         const auto& o = self.cast<const MI&>();
-        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.blocks_to_copy.size() / 2), 2});
+        return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.blocks_to_copy.size() / 2), 2}, true);
       });
 
   py::class_<SequenceUpdate>(m, "SequenceUpdate")

@@ -18,6 +18,9 @@ from . import _core
 
 _CXX = _core.SchedulerConfig()  # the C++ struct's defaults
 
+_INT32_MAX = 2**31 - 1
+_KINDS = {"str": str, "str | None": str, "int": int, "int | None": int, "bool": bool}
+
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -61,7 +64,7 @@ class EngineArgs:
     block_size: int = field(default=16, metadata=_arg("tokens per KV block", choices=[16, 32]))
     num_kv_blocks: int | None = field(default=None, metadata=_arg("KV blocks (overrides --kv-cache-memory)"))
     kv_cache_memory: int = field(default=1 << 30, metadata=_arg(
-        "memory for the paged KV store, e.g. 1GiB (default)", type=parse_bytes))
+        "memory for the paged KV store in bytes, or e.g. 1GiB", type=parse_bytes))
     enable_prefix_caching: bool = field(default=_CXX.enable_prefix_caching, metadata=_arg(
         "reuse the cached K/V of full blocks whose token prefix was computed before"))
     max_num_seqs: int = field(default=_CXX.max_num_seqs, metadata=_arg("sequences per step"))
@@ -76,6 +79,13 @@ class EngineArgs:
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
 
     def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # types first: 16.0 or "16" must not pass for 16
+            v, kind = getattr(self, f.name), _KINDS[f.type]
+            if f.name == "kv_cache_memory" and isinstance(v, str):
+                continue
+            if not (v is None and f.type.endswith("| None")) and (
+                    not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+                raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
         try:
@@ -84,15 +94,16 @@ class EngineArgs:
             raise ValueError(f"device must be a torch device such as cpu, cuda or mps: {e}") from e
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
-        if self.kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        try:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+        except argparse.ArgumentTypeError as e:
+            raise ValueError(f"kv_cache_memory: {e}") from e
+        for name, lo in (("max_model_len", 2), ("num_kv_blocks", 1), ("max_num_seqs", 1),
+                         ("max_num_batched_tokens", 1), ("kv_cache_memory", 1)):
+            v = getattr(self, name)
+            hi = 2**62 if name == "kv_cache_memory" else _INT32_MAX  # the core counts tokens and blocks in int32
+            if v is not None and not lo <= v <= hi:
+                raise ValueError(f"{name} must be in [{lo}, {hi}], got {v}")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -28,27 +28,20 @@ class CpuCapabilities:
         native_bf16: bfloat16 arithmetic in hardware (avx512_bf16, AMX-BF16 or Arm BF16).
         onednn_bf16: torch's oneDNN bf16 linear path runs here (it needs
             avx512bw/vl/dq or avx_ne_convert on x86-64, BF16 on arm64).
-        kernel_isa: the attention kernel variant in use ("avx512", "avx2", "baseline", "neon").
     """
 
     arch: str
     features: tuple[str, ...]
     native_bf16: bool
     onednn_bf16: bool
-    kernel_isa: str
 
 
 @functools.lru_cache(maxsize=1)
 def cpu_capabilities() -> CpuCapabilities:
-    """This CPU's capabilities (detected once per process).
-
-    Raises pagedserve.errors.InvalidArgumentError if PAGEDSERVE_CPU_ISA names a
-    kernel variant this build lacks or this CPU cannot execute.
-    """
+    """This CPU's capabilities (detected once per process)."""
     onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return CpuCapabilities(arch=_core.cpu.cpu_arch(), features=tuple(_core.cpu.cpu_features()),
-                           native_bf16=_core.cpu.native_bf16(), onednn_bf16=onednn_bf16,
-                           kernel_isa=_core.cpu.kernel_isa())
+                           native_bf16=_core.cpu.native_bf16(), onednn_bf16=onednn_bf16)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

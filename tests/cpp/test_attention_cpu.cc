@@ -125,6 +125,21 @@ TEST(AttentionCpu, BlockIdOutOfRangeIsRejectedWhenThePlanIsBuilt) {
   EXPECT_THROW(t.plan(), KernelArgumentError);
 }
 
+TEST(AttentionCpu, AbsurdGeometryIsRejectedBeforeAnyIndexIsComputed) {
+  Tiny t;
+  const auto make = [&](int64_t h, int64_t hkv, int64_t d, int64_t bs, int64_t nb, int threads) {
+    return AttentionPlan(arg(t.qsl, {2}, DType::kInt32, "qsl"), arg(t.lens, {1}, DType::kInt32, "seq_lens"),
+                         arg(t.tables, {1, 2}, DType::kInt32, "block_tables"), h, hkv, d, bs, nb, true, threads);
+  };
+  EXPECT_THROW(make(1, 1, 2, INT64_MAX, 2, 1), KernelArgumentError);  // (len + bs - 1) would overflow
+  EXPECT_THROW(make(1, 1, int64_t{1} << 40, 2, 2, 1), KernelArgumentError);
+  EXPECT_THROW(make(int64_t{1} << 40, 1, 2, 2, 2, 1), KernelArgumentError);
+  EXPECT_THROW(make(1, 1, 2, 2, int64_t{1} << 33, 1), KernelArgumentError);
+  EXPECT_THROW(make(1, 1, 2, 2, 2, 0), KernelArgumentError);
+  EXPECT_THROW(make(1, 1, 2, 2, 2, 100000), KernelArgumentError);
+  EXPECT_NO_THROW(make(1, 1, 2, 2, 2, 3));
+}
+
 TEST(AttentionCpu, TooFewBlockTableColumnsIsRejected) {
   Tiny t;
   t.lens = {5};  // needs 3 blocks, table has 2 columns

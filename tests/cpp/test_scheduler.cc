@@ -299,4 +299,13 @@ TEST(ModelInput, SlotMappingIsInt64FromTheBlockTable) {
   out.block_ids = {5};  // too few blocks for 33 tokens
   out.block_table_offsets = {0, 1};
   EXPECT_THROW(build_model_input(out), InvalidArgumentError);
+  out.block_table_offsets = {0, 100000000};  // offsets past the block ids: refused, not read
+  EXPECT_THROW(build_model_input(out), InvalidArgumentError);
+  out.block_ids = {5, 6};
+  out.block_table_offsets = {0, 2};
+  out.num_computed_tokens = {-17};
+  EXPECT_THROW(build_model_input(out), InvalidArgumentError);
+  out.num_computed_tokens = {31};
+  out.token_ids = {7};  // fewer ids than scheduled tokens
+  EXPECT_THROW(build_model_input(out), InvalidArgumentError);
 }

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve import _core
 from pagedserve.kernels.backend import AttentionBackend, AttentionMetadata
 from pagedserve.kernels.torch_ref import dense_attention
 
@@ -26,6 +27,9 @@ class FakeGatherBackend(AttentionBackend):
         return layer_cache[0], layer_cache[1]
 
     def make_plan(self, md: AttentionMetadata):
+        s = self.spec
+        _core.check_attention_metadata(md.query_start_loc, md.seq_lens, md.block_tables, s.num_heads,
+                                       s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks)
         bs = self.spec.block_size
         slots = []  # per sequence: the slots of its positions 0..seq_len-1
         for b, n in enumerate(md.seq_lens.tolist()):

@@ -173,6 +173,25 @@ def test_reshape_and_cache_writes_only_the_named_slots(backend_cls):
     assert store.abs().sum() == 6 * key[0].sum()
 
 
+@pytest.mark.parametrize("bad", ["hole", "short_table", "long_query", "block_out_of_range"])
+def test_every_backend_refuses_bad_metadata_in_its_plan(backend_cls, bad):
+    """The shared checks run in every backend's make_plan: no kernel reads
+    through a bad index, whatever the backend."""
+    case = build_case(backend_cls, 12, [1, 3], [20, 40], 16, 4, 2)
+    md = case.md
+    tables, lens, qsl = md.block_tables.clone(), md.seq_lens.clone(), md.query_start_loc.clone()
+    if bad == "hole":
+        tables[1, 1] = -1  # inside the used range
+    elif bad == "short_table":
+        lens[1] = 16 * tables.shape[1] + 1
+    elif bad == "long_query":
+        qsl[1:] += 30  # sequence 0 claims 31 query tokens of its 20
+    else:
+        tables[0, 0] = case.backend.spec.num_blocks
+    with pytest.raises(KernelArgumentError):
+        case.backend.make_plan(AttentionMetadata(md.slot_mapping, qsl, lens, tables))
+
+
 # ---- the C++ CPU backend's own checks --------------------------------------------
 
 def _cpu_case(*args, **kw):

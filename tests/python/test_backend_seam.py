@@ -92,3 +92,29 @@ def test_an_unusable_backend_fails_at_start_up_with_the_reason(tiny_llama_dir):
         LLM(model=tiny_llama_dir, attention_backend="nope", skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="no CUDA device|runs on cpu"):
         LLM(model=tiny_llama_dir, device="cuda", attention_backend="cpu", skip_tokenizer_init=True)
+
+
+def test_the_registry_refuses_broken_entries_and_auto_skips_a_backend_that_fails_to_load(tmp_path, monkeypatch):
+    from pagedserve.kernels import register_backend
+    from pagedserve.kernels.backend import AttentionBackend
+
+    class Incomplete(AttentionBackend):
+        name = "incomplete"
+
+    for bad in (Incomplete, 42, "no-colon", ""):
+        with pytest.raises(ValueError):
+            register_backend("broken", bad)
+    with pytest.raises(ValueError):
+        register_backend("auto", "fake_backend:FakeGatherBackend")
+    (tmp_path / "native_fails.py").write_text("raise OSError('libmissing.so: cannot open shared object file')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    register_backend("native_fails", "native_fails:Backend")
+    try:
+        with pytest.raises(BackendUnavailableError, match="libmissing.so"):
+            resolve_backend("native_fails")
+        assert resolve_backend("auto") is CpuAttentionBackend  # skipped with its reason, not fatal
+        assert "native_fails" not in available_backends()
+    finally:
+        from pagedserve.kernels import _REGISTRY
+
+        _REGISTRY.pop("native_fails", None)

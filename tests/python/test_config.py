@@ -39,6 +39,14 @@ def test_bad_values_are_refused():
         EngineArgs(dtype="float64")
     with pytest.raises(ValueError, match="torch device"):
         EngineArgs(device="gpu-please")
+    with pytest.raises(ValueError, match="kv_cache_memory"):
+        EngineArgs(kv_cache_memory="lots")
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        EngineArgs(max_num_seqs=2**40)  # the core counts in int32
+    for kw in (dict(block_size=16.0), dict(num_kv_blocks=2.5), dict(block_size="16"), dict(max_num_seqs=True)):
+        with pytest.raises(TypeError):
+            EngineArgs(**kw)
+    assert EngineArgs(kv_cache_memory="512MiB").kv_cache_memory == 2**29
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--attention-backend", "nope"])
 

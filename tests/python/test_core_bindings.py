@@ -32,6 +32,8 @@ def test_scheduler_output_and_model_input_are_views_without_copies():
     np.testing.assert_array_equal(inp.logits_indices, [18])
     blocks = out.block_ids
     np.testing.assert_array_equal(arr, [blocks[p // 16] * 16 + p % 16 for p in range(19)])
+    with pytest.raises(ValueError, match="read-only"):  # C++ reads the decision again: Python cannot edit it
+        out.block_table_offsets[1] = 10**8
     [u] = s.update([5])
     assert u.request_id == "a" and u.token_id == 5 and not u.finished
 

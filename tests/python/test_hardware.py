@@ -38,7 +38,7 @@ def test_dtype_auto_resolves_from_this_cpu(tiny_llama_dir):
     caps = hardware.cpu_capabilities()
     want = torch.bfloat16 if caps.native_bf16 else torch.float32
     dtype, why = hardware.resolve_dtype("auto")
-    print(f"this CPU: {caps.arch}, native bf16 {caps.native_bf16}, kernel variant {caps.kernel_isa} -> {dtype}")
+    print(f"this CPU: {caps.arch}, native bf16 {caps.native_bf16}, kernel variant {_core.cpu.kernel_isa()} -> {dtype}")
     assert dtype == want and why.startswith("auto:")
     assert caps.native_bf16 == any(f in caps.features for f in ("avx512_bf16", "amx_bf16", "bf16"))
     llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16)  # dtype auto is the default
@@ -109,9 +109,10 @@ QEMU = shutil.which("qemu-x86_64")
 EMULATED = """
 import json, sys
 from pagedserve import LLM, SamplingParams
+from pagedserve import _core
 from pagedserve.hardware import cpu_capabilities
 caps = cpu_capabilities()
-res = {"isa": caps.kernel_isa, "onednn_bf16": caps.onednn_bf16, "native_bf16": caps.native_bf16}
+res = {"isa": _core.cpu.kernel_isa(), "onednn_bf16": caps.onednn_bf16, "native_bf16": caps.native_bf16}
 params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 for dtype in ("auto", "bfloat16"):
     llm = LLM(model=sys.argv[1], dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=32)

@@ -10,9 +10,17 @@ AttentionGeometry check_attention_metadata(const TensorArg& query_start_loc, con
                                            const TensorArg& block_tables, int64_t num_heads,
                                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
                                            int64_t num_blocks) {
-  if (num_heads < 1 || num_kv_heads < 1 || head_dim < 1 || block_size < 1 || num_blocks < 1) {
-    throw KernelArgumentError("num_heads, num_kv_heads, head_dim, block_size and num_blocks must all be >= 1");
-  }
+  const auto in_range = [](const char* what, int64_t v, int64_t hi) {
+    if (v < 1 || v > hi) {
+      throw KernelArgumentError(std::string(what) + " must be in [1, " + std::to_string(hi) + "], got " +
+                                std::to_string(v));
+    }
+  };
+  in_range("num_heads", num_heads, kMaxHeads);
+  in_range("num_kv_heads", num_kv_heads, kMaxHeads);
+  in_range("head_dim", head_dim, kMaxHeadDim);
+  in_range("block_size", block_size, kMaxBlockSize);
+  in_range("num_blocks", num_blocks, kMaxBlocks);
   if (num_heads % num_kv_heads != 0) {
     throw KernelArgumentError("num_heads " + std::to_string(num_heads) + " is not a multiple of num_kv_heads " +
                               std::to_string(num_kv_heads));

@@ -24,11 +24,18 @@ struct AttentionGeometry {
   int64_t group() const { return num_heads / num_kv_heads; }
 };
 
+// Bounds on a plan's geometry: far above any model served, low enough that no
+// index or scratch size computed from them overflows.
+constexpr int64_t kMaxHeads = 1024;      // num_heads, num_kv_heads
+constexpr int64_t kMaxHeadDim = 1024;    // head_dim
+constexpr int64_t kMaxBlockSize = 1024;  // tokens per block
+constexpr int64_t kMaxBlocks = 2147483647;  // block ids are int32
+
 // Validates query_start_loc [B+1], seq_lens [B] and block_tables [B, max_blocks]
 // (int32, contiguous) against a cache of num_blocks x block_size slots: query
 // lengths in [0, seq_len], query_start_loc from 0 to T, every block id a
-// sequence uses inside [0, num_blocks). Returns the geometry; throws
-// KernelArgumentError naming the first bad value.
+// sequence uses inside [0, num_blocks), the geometry within the bounds above.
+// Returns the geometry; throws KernelArgumentError naming the first bad value.
 AttentionGeometry check_attention_metadata(const TensorArg& query_start_loc, const TensorArg& seq_lens,
                                            const TensorArg& block_tables, int64_t num_heads,
                                            int64_t num_kv_heads, int64_t head_dim, int64_t block_size,

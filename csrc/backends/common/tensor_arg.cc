@@ -29,6 +29,7 @@ int64_t TensorArg::numel() const {
 }
 
 bool TensorArg::is_contiguous() const {
+  if (numel() == 0) return true;  // nothing to lay out
   int64_t expect = 1;
   for (int64_t i = dim() - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != expect) return false;
@@ -57,6 +58,15 @@ void TensorArg::check_contiguous() const {
 void TensorArg::check_last_dim_contiguous() const {
   if (dim() == 0 || (shape.back() > 1 && strides.back() != 1)) {
     throw KernelArgumentError(name + " must have a contiguous last dimension");
+  }
+}
+
+void TensorArg::check_no_overlap() const {
+  for (int64_t i = 0; i < dim(); ++i) {
+    if (shape[i] > 1 && strides[i] == 0) {
+      throw KernelArgumentError(name + " has overlapping elements (stride 0 in dimension " + std::to_string(i) +
+                                "): it cannot be written");
+    }
   }
 }
 

@@ -33,6 +33,7 @@ struct TensorArg {
   void check_dtype(DType d) const;
   void check_contiguous() const;
   void check_last_dim_contiguous() const;
+  void check_no_overlap() const;  // for outputs: no dimension of size > 1 with stride 0
   void check_shape(const std::vector<int64_t>& want) const;
 };
 

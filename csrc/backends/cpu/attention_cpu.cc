@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <string>
+#include <system_error>
 
 #include "core/errors.h"
 #include "thread_pool.h"
@@ -53,6 +54,9 @@ void reshape_and_cache(const TensorArg& key, const TensorArg& value, const Tenso
                        const TensorArg& v_cache, const TensorArg& slot_mapping) {
   k_cache.check_dim(4);
   const int64_t num_blocks = k_cache.size(0), hkv = k_cache.size(1), d = k_cache.size(2), bs = k_cache.size(3);
+  if (num_blocks > kMaxBlocks || hkv > kMaxHeads || d > kMaxHeadDim || bs > kMaxBlockSize) {
+    throw KernelArgumentError("k_cache's shape is outside the supported bounds");
+  }
   check_caches(k_cache, v_cache, num_blocks, hkv, d, bs);
   check_token_heads(key, -1, hkv, d, k_cache.dtype);
   const int64_t T = key.size(0);
@@ -77,6 +81,10 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
                                   block_size, num_blocks)),
       causal_(causal),
       isa_(&active_isa()) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
   const auto copy = [](const TensorArg& t) {
     const int32_t* p = t.ptr<int32_t>();
     return std::vector<int32_t>(p, p + t.numel());
@@ -127,7 +135,11 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   }
   partial_acc_.resize(n_partial * g_.group() * g_.head_dim);
   partial_ml_.resize(n_partial * g_.group());
-  pool_ = ThreadPool::get(num_threads);
+  try {
+    pool_ = ThreadPool::get(num_threads);
+  } catch (const std::system_error& e) {
+    throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
+  }
   scratch_.assign(pool_->num_threads(),
                   std::vector<float>(kernel_scratch_floats(g_.group(), g_.head_dim, g_.block_size)));
 }
@@ -141,6 +153,7 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
   check_caches(k_cache, v_cache, g_.num_blocks, g_.num_kv_heads, g_.head_dim, g_.block_size);
   check_token_heads(query, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
   check_token_heads(out, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
+  out.check_no_overlap();
   std::lock_guard<std::mutex> lock(mu_);
   KernelArgs a{};
   a.dtype = k_cache.dtype;

@@ -32,6 +32,8 @@ namespace cpu {
 
 class ThreadPool;
 
+constexpr int kMaxThreads = 1024;  // worker threads an AttentionPlan accepts
+
 // Writes key/value [T, Hkv, D] into k_cache/v_cache at slot_mapping [T] (int64;
 // slot = block * block_size + offset; a negative slot skips the token). Throws
 // KernelArgumentError on a shape/dtype/layout mismatch or a slot out of range
@@ -46,7 +48,7 @@ class AttentionPlan {
   // -1 padding allowed past the blocks a sequence uses) are validated and
   // copied. Query token i of sequence b sits at position seq_lens[b] - q_len[b]
   // + i and sees key positions <= its own (all keys when causal is false).
-  // num_threads >= 1 worker threads (usually torch.get_num_threads()). The ISA
+  // num_threads in [1, kMaxThreads] worker threads (usually torch.get_num_threads()). The ISA
   // variant is the active one now (cpu_isa.h). Throws KernelArgumentError.
   AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens, const TensorArg& block_tables,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,

@@ -19,6 +19,8 @@ namespace cpu {
 
 class ThreadPool {
  public:
+  // Starts num_threads - 1 workers. Rethrows std::system_error if the OS
+  // refuses a thread (after joining the ones started).
   explicit ThreadPool(int num_threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
@@ -35,6 +37,7 @@ class ThreadPool {
 
  private:
   void worker_loop(int worker_id);
+  void stop_all();
   void drain(int worker_id);
 
   std::vector<std::thread> workers_;

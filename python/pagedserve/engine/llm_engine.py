@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import sys
 import time
 
@@ -51,11 +52,17 @@ class LLMEngine:
     Args:
         args: EngineArgs (defaults when None).
     Raises:
-        ValueError on a bad argument; pagedserve.errors.ModelLoadError for a
-        checkpoint that does not match its model or a model whose attention no
-        backend can compute; pagedserve.errors.BackendUnavailableError (a
-        ValueError) when the chosen backend cannot serve this device, dtype or
-        model; whatever transformers raises if the model cannot be loaded.
+        TypeError / ValueError on a bad argument (EngineArgs); ValueError when
+        the KV store cannot be allocated; pagedserve.errors.ModelLoadError for a
+        checkpoint that does not match its model or a model-level feature the
+        runner lacks (final logit soft-capping);
+        pagedserve.errors.BackendUnavailableError when no backend (or not the
+        one named) can serve this device, dtype or the model's attention
+        (sliding window, soft-capping, ALiBi, sinks), with the reason;
+        pagedserve.errors.InvalidArgumentError when PAGEDSERVE_CPU_ISA names a
+        kernel variant that cannot run here; OSError from transformers if the
+        model cannot be found; RuntimeError when the start-up check step fails.
+        All are ValueErrors, except OSError and the start-up RuntimeError.
     """
 
     def __init__(self, args: EngineArgs | None = None) -> None:
@@ -76,6 +83,9 @@ class LLMEngine:
         backend_cls = resolve_backend(args.attention_backend, self.device, self.dtype, features)
         if max_model_len is None:
             raise ValueError(f"{name}'s config sets no max_position_embeddings: give max_model_len")
+        limit = getattr(hf, "max_position_embeddings", None)
+        if limit is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len {max_model_len} exceeds {name}'s max_position_embeddings ({limit})")
         self.max_model_len = int(max_model_len)
         variant = backend_cls.active_variant()  # raises for a kernel variant this CPU cannot run
         loaded = load_model(path, name, hf_config, dtype=self.dtype, device=self.device,
@@ -85,17 +95,25 @@ class LLMEngine:
         if late:  # parameters the config did not announce (attention sinks)
             raise ModelLoadError(f"{name} needs {', '.join(late)}, which the {backend_cls.name} backend does "
                                  "not implement")
-        self.linear_path = "torch's default GEMM"
-        if self.device.type == "cpu" and args.onednn_linear:
+        if self.device.type != "cpu":
+            self.linear_path = "torch's default GEMM (oneDNN linear is CPU-only)"
+        elif not args.onednn_linear:
+            self.linear_path = "torch's default GEMM (--no-onednn-linear)"
+        else:
             self.linear_path = use_onednn_linear(self.model, self.dtype)
         self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         block_size = args.block_size
-        num_blocks = args.num_kv_blocks or max(1, args.kv_cache_memory // KVCache.bytes_per_block(
-            hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim, self.dtype))
+        block_bytes = KVCache.bytes_per_block(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim,
+                                              self.dtype)
+        num_blocks = args.num_kv_blocks or max(1, min(args.kv_cache_memory // block_bytes, 2**31 - 1))
         self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, hf.num_key_value_heads, head_dim,
                                                  block_size, num_blocks, self.dtype, self.device))
-        self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
+        try:
+            self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
+        except (RuntimeError, MemoryError) as e:  # the allocator refused
+            raise ValueError(f"cannot allocate a KV store of {num_blocks} blocks "
+                             f"({num_blocks * block_bytes / 2**30:.1f} GiB): {e}") from e
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
                                   args.enable_prefix_caching),
@@ -106,12 +124,17 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.metrics = EngineMetrics(self.model_name, self.max_model_len)
+        why_backend = ("auto: the highest-priority backend available here" if args.attention_backend in (None, "auto")
+                       else "asked for")
+        if variant:
+            forced = os.environ.get("PAGEDSERVE_CPU_ISA")
+            why_backend += f"; kernel variant {variant}, " + (
+                "forced by PAGEDSERVE_CPU_ISA" if forced else "the best this CPU runs")
         caps = cpu_capabilities() if self.device.type == "cpu" else None
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why_dtype)
-        logger.info("attention backend %s%s on %s%s; linear layers: %s", backend_cls.name,
-                    f" (kernel variant {variant})" if variant else "", self.device,
-                    f" [{caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}]" if caps else "",
-                    self.linear_path)
+        logger.info("attention backend %s on %s (%s)%s", backend_cls.name, self.device, why_backend,
+                    f"; CPU {caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}" if caps else "")
+        logger.info("linear layers: %s", self.linear_path)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
         try:

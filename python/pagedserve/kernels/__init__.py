@@ -12,6 +12,7 @@ device, dtype and model.
 from __future__ import annotations
 
 import importlib
+import inspect
 
 import torch
 
@@ -25,8 +26,26 @@ _REGISTRY: dict[str, str | type[AttentionBackend]] = {
 
 
 def register_backend(name: str, backend: str | type[AttentionBackend]) -> None:
-    """Adds (or replaces) a registry entry: a class, or "module:Class" imported on first use."""
+    """Adds (or replaces) a registry entry: an AttentionBackend subclass, or
+    "module:Class" imported (and checked) on first use. Raises ValueError for a
+    reserved or empty name or an entry of another kind."""
+    if not isinstance(name, str) or not name or name == "auto":
+        raise ValueError(f"a backend needs a non-empty name other than 'auto', got {name!r}")
+    if isinstance(backend, str):
+        if backend.count(":") != 1 or not all(backend.split(":")):
+            raise ValueError(f"a backend entry must be 'module:Class', got {backend!r}")
+    else:
+        _check_class(name, backend)
     _REGISTRY[name] = backend
+
+
+def _check_class(name: str, cls) -> type[AttentionBackend]:
+    if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+        raise ValueError(f"attention backend '{name}' is {cls!r}, not an AttentionBackend subclass")
+    if inspect.isabstract(cls):
+        raise ValueError(f"attention backend '{name}' ({cls.__name__}) does not implement "
+                         f"{', '.join(sorted(cls.__abstractmethods__))}")
+    return cls
 
 
 def backend_names() -> list[str]:
@@ -42,11 +61,14 @@ def get_backend_class(name: str) -> type[AttentionBackend]:
         raise BackendUnavailableError(f"unknown attention backend '{name}', choose from {backend_names()} or 'auto'")
     if isinstance(entry, str):
         module, _, cls_name = entry.partition(":")
-        try:
+        try:  # a backend whose native library fails to load says so, whatever it raises
             entry = getattr(importlib.import_module(module), cls_name)
-        except (ImportError, AttributeError) as e:
+        except Exception as e:
             raise BackendUnavailableError(f"attention backend '{name}' cannot be loaded: {e}") from e
-    return entry
+    try:
+        return _check_class(name, entry)
+    except ValueError as e:
+        raise BackendUnavailableError(str(e)) from e
 
 
 def why_not(cls: type[AttentionBackend], device: torch.device | str, dtype: torch.dtype | None = None,

@@ -8,9 +8,9 @@ A backend is a subclass of ``AttentionBackend`` with one registry entry
 - the KV cache layout: ``kv_cache_shape`` (one layer, K and V together),
   ``allocate_kv_cache``, ``split_kv_cache`` into the (k_cache, v_cache) views
   its kernels take; the store never assumes a layout;
-- once per engine step, ``make_plan(metadata)``: whatever the backend derives
-  from the step's metadata alone (validation, work partition, masks), shared by
-  every layer;
+- once per engine step, ``make_plan(metadata)``: the shared metadata checks,
+  then whatever the backend derives from the metadata alone (work partition,
+  masks), shared by every layer;
 - per layer, ``reshape_and_cache`` and ``paged_attention``;
 - ``copy_blocks`` for copy-on-write of shared blocks.
 
@@ -201,10 +201,14 @@ class AttentionBackend(ABC):
                 cache[dst] = cache[src]
 
     # ---- per step and per layer ---------------------------------------------
+    @abstractmethod
     def make_plan(self, metadata: AttentionMetadata) -> Any:
         """Everything derived from the step's metadata alone, built once per step
-        and passed to every layer's paged_attention. Default: the metadata."""
-        return metadata
+        and passed to every layer's paged_attention. It must validate the
+        metadata first with the checks every backend shares
+        (``pagedserve._core.check_attention_metadata``, or its C++ function in
+        csrc/backends/common/), so no kernel reads through a bad index.
+        Raises pagedserve.errors.KernelArgumentError."""
 
     @abstractmethod
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import _core
 from .backend import AttentionBackend, AttentionMetadata
 
 BLOCKS_PER_TILE = 8
@@ -127,6 +128,11 @@ class TorchAttentionBackend(AttentionBackend):
         return layer_cache[0], layer_cache[1]
 
     def make_plan(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
+        """Validates the host metadata with the checks every backend shares (raises
+        KernelArgumentError), then builds the plan on the device."""
+        s = self.spec
+        _core.check_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
+                                       s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks)
         return make_plan(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, self.spec.block_size,
                          self.spec.num_kv_heads, metadata.causal, self.spec.device)
 

@@ -15,16 +15,17 @@ from ..config import EngineArgs, parse_bytes
 
 def build_parser() -> argparse.ArgumentParser:
     """The server's flags: its own (host, port, API key, ...) and one per EngineArgs field."""
-    p = argparse.ArgumentParser(prog="python -m pagedserve.server", description=__doc__)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p = argparse.ArgumentParser(prog="python -m pagedserve.server", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
                    help="require 'Authorization: Bearer <key>' on /v1/* (default: env PAGEDSERVE_API_KEY)")
     p.add_argument("--max-request-body-size", type=parse_bytes, default=16 * 2**20,
-                   help="larger request bodies get 413 (default 16MiB)")
+                   help="larger request bodies get 413 (16MiB)")
     p.add_argument("--timeout-graceful-shutdown", type=float, default=20.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish before they are aborted")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="uvicorn and pagedserve log level")
     return EngineArgs.add_cli_args(p)
 
 
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         core = LLMEngine(EngineArgs.from_cli_args(args))
-    except (PagedServeError, ValueError) as e:  # a reason, not a traceback: bad flag, model or machine
+    except (PagedServeError, ValueError, TypeError, OSError) as e:  # a reason, not a traceback: flag, model, machine
         raise SystemExit(f"pagedserve: cannot start: {e}") from e
     engine = AsyncLLMEngine(core)
     app = create_app(engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
