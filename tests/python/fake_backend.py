@@ -44,9 +44,14 @@ class FakeGatherBackend(AttentionBackend):
         k_cache[slots // bs, slots % bs] = key[keep].to(k_cache.dtype)
         v_cache[slots // bs, slots % bs] = value[keep].to(v_cache.dtype)
 
-    def paged_attention(self, query, k_cache, v_cache, plan, scale):
+    @classmethod
+    def unsupported_features(cls, features):
+        return cls.only_window_and_softcap(features)
+
+    def paged_attention(self, query, k_cache, v_cache, plan, scale, sliding_window=None, logit_softcap=None):
         qsl, slots, causal = plan
         bs = self.spec.block_size
         keys = [k_cache[s // bs, s % bs] for s in slots]
         values = [v_cache[s // bs, s % bs] for s in slots]
-        return dense_attention(query, keys, values, qsl, scale, causal).to(k_cache.dtype)
+        return dense_attention(query, keys, values, qsl, scale, causal, sliding_window, logit_softcap).to(
+            k_cache.dtype)

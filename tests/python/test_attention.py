@@ -17,7 +17,7 @@ from pagedserve import _core
 from pagedserve.errors import KernelArgumentError
 from pagedserve.kernels import backend_names, get_backend_class, why_not
 from pagedserve.kernels import cpu as cpu_backend
-from pagedserve.kernels.backend import AttentionMetadata, AttentionSpec
+from pagedserve.kernels.backend import AttentionFeatures, AttentionMetadata, AttentionSpec
 from pagedserve.kernels.torch_ref import dense_attention
 
 
@@ -95,11 +95,17 @@ def build_case(cls, seed, q_lens, seq_lens, block_size, h, hkv, d=32, dtype=torc
 BF16_TOL = 2e-2
 
 
-def check(case: Case, atol=1e-5, rtol=1e-5):
+def check(case: Case, atol=1e-5, rtol=1e-5, sliding_window=None, logit_softcap=None):
+    features = AttentionFeatures(sliding_window=sliding_window, logit_softcap=logit_softcap)
+    missing = type(case.backend).unsupported_features(features)
+    if missing:
+        pytest.skip(f"the {case.backend.name} backend does not implement {', '.join(missing)}")
     scale = case.query.shape[-1] ** -0.5
     plan = case.backend.make_plan(case.md)
-    got = case.backend.paged_attention(case.query, case.k_cache, case.v_cache, plan, scale)
-    want = dense_attention(case.query, case.keys, case.values, case.md.query_start_loc, scale, case.md.causal)
+    got = case.backend.paged_attention(case.query, case.k_cache, case.v_cache, plan, scale,
+                                       sliding_window=sliding_window, logit_softcap=logit_softcap)
+    want = dense_attention(case.query, case.keys, case.values, case.md.query_start_loc, scale, case.md.causal,
+                           sliding_window, logit_softcap)
     assert got.shape == case.query.shape and got.dtype == case.query.dtype
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=rtol)
 
@@ -140,6 +146,47 @@ def test_non_causal_sees_every_key(backend_cls):
 def test_bfloat16_cache_within_tolerance(backend_cls, d):
     check(build_case(backend_cls, 6, [1, 9, 1, 20], [300, 40, 17, 2048], 16, 8, 2, d=d, dtype=torch.bfloat16),
           atol=BF16_TOL, rtol=BF16_TOL)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [1, 17, 40])
+def test_sliding_window_decode_every_length_up_to_256(backend_cls, block_size, window):
+    lens = list(range(1, 257))
+    check(build_case(backend_cls, 13, [1] * len(lens), lens, block_size, 8, 2, d=64), sliding_window=window)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_sliding_window_long_sequences_and_chunked_prefill(backend_cls, block_size):
+    # a long decode (split along the KV length inside the window), chunks that start past the window
+    q_lens, seq_lens = [1, 1, 40, 7, 33], [1000, 2048, 300, 1000, 70]
+    check(build_case(backend_cls, 14, q_lens, seq_lens, block_size, 8, 2, d=64), sliding_window=64)
+    check(build_case(backend_cls, 14, q_lens, seq_lens, block_size, 8, 2, d=64), sliding_window=500)
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("cap", [5.0, 50.0])
+def test_logit_softcap_every_length_up_to_256_and_1000(backend_cls, block_size, cap):
+    lens = list(range(1, 257)) + [1000]
+    case = build_case(backend_cls, 15, [1] * len(lens), lens, block_size, 4, 2, d=64)
+    case.query.mul_(4.0)  # scores of a few units: the cap bends them
+    check(case, logit_softcap=cap)
+    check(build_case(backend_cls, 16, [24, 1, 33], [64, 1000, 33], block_size, 8, 4, d=64), logit_softcap=cap)
+
+
+def test_window_and_softcap_together_in_bfloat16(backend_cls):
+    """Gemma 2's sliding layers: both at once, bfloat16 cache."""
+    check(build_case(backend_cls, 17, [1, 9, 1, 20], [300, 40, 17, 1000], 16, 8, 2, d=64, dtype=torch.bfloat16),
+          atol=BF16_TOL, rtol=BF16_TOL, sliding_window=48, logit_softcap=50.0)
+
+
+def test_a_decode_past_the_window_reads_only_in_window_blocks():
+    case = _cpu_case(18, [1], [1000], 16, 8, 2, d=64)
+    plans = case.backend.make_plan(case.md)
+    full, windowed = plans.for_window(None), plans.for_window(64)
+    # 63 blocks per KV head without a window; the 64-key window spans at most 5 blocks of 16
+    assert full.num_blocks_visited == 2 * 63
+    assert windowed.num_blocks_visited <= 2 * 5
+    assert plans.for_window(64) is windowed  # built once per step and window, shared by the layers
 
 
 def test_one_plan_serves_every_layer(backend_cls):
@@ -241,7 +288,7 @@ def test_cpu_kernel_scratch_is_independent_of_sequence_length():
 
 def test_cpu_plan_reports_its_variant_and_splits_long_decodes():
     case = _cpu_case(11, [1], [2048], 16, 8, 2)
-    plan = case.backend.make_plan(case.md)
+    plan = case.backend.make_plan(case.md).for_window(None)
     assert plan.isa == _core.cpu.kernel_isa()
     if plan.num_threads > 1:
         assert plan.num_split_groups > 0  # 2 KV heads cannot keep the threads busy: split along the KV length

@@ -58,10 +58,10 @@ def test_the_plan_is_built_once_per_step_and_shared_by_every_layer(tiny_llama_di
         calls["make_plan"] += 1
         return make_plan(md)
 
-    def counting_attend(query, k_cache, v_cache, plan, scale):
+    def counting_attend(query, k_cache, v_cache, plan, scale, **layer):
         calls["paged_attention"] += 1
         calls["plans"].append(plan)
-        return attend(query, k_cache, v_cache, plan, scale)
+        return attend(query, k_cache, v_cache, plan, scale, **layer)
 
     monkeypatch.setattr(backend, "make_plan", counting_make_plan)
     monkeypatch.setattr(backend, "paged_attention", counting_attend)

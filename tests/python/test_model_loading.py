@@ -1,7 +1,8 @@
 """Loading refuses what would serve a wrong model: a checkpoint with a missing
 or an extra tensor (transformers would initialise the missing one at random),
-and attention the backends do not compute (sliding window, soft-capping,
-ALiBi, sinks) — refused from the config, before any weight is read."""
+attention the backends do not compute (ALiBi, sinks) — refused from the
+config, before any weight is read — and, through the start-up check against
+the Hugging Face forward, any architecture the engine would compute wrongly."""
 
 import pytest
 import torch
@@ -57,14 +58,6 @@ def _small(cls, **kw):
                num_key_value_heads=2, head_dim=8, max_position_embeddings=256, **kw)
 
 
-def test_sliding_window_is_refused_when_it_can_mask_something(tmp_path):
-    from transformers import MistralConfig
-
-    path = _config_only(tmp_path, _small(MistralConfig, sliding_window=32))
-    with pytest.raises(PagedServeError, match=r"sliding-window attention \(window 32\)"):
-        LLM(model=path, skip_tokenizer_init=True)
-
-
 def test_a_window_no_request_can_exceed_is_served_exactly(tmp_path):
     """max_model_len <= window: the window never masks a key, so the model is
     served, and its greedy tokens equal Hugging Face's."""
@@ -80,18 +73,53 @@ def test_a_window_no_request_can_exceed_is_served_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("family,feature", [
-    ("gemma2", "final logit soft-capping.*attention logit soft-capping"),
     ("bloom", "ALiBi"),
     ("gpt_oss", "attention sinks"),
 ])
 def test_attention_the_backends_lack_is_refused_with_the_reason(tmp_path, family, feature):
     import transformers
 
-    if family == "gemma2":
-        config = _small(transformers.Gemma2Config)
-    elif family == "bloom":
+    if family == "bloom":
         config = transformers.BloomConfig(vocab_size=128, hidden_size=32, n_layer=2, n_head=4)
     else:
         config = _small(transformers.GptOssConfig, num_local_experts=2, num_experts_per_tok=1)
     with pytest.raises(PagedServeError, match=feature):
         LLM(model=_config_only(tmp_path, config), skip_tokenizer_init=True)
+
+
+def test_a_model_whose_logits_the_engine_would_get_wrong_is_refused(tmp_path, monkeypatch):
+    """The start-up check compares the engine's logits with the Hugging Face
+    forward's: an architecture-specific step the engine did not replicate (here
+    Granite's logits scaling, with the engine's handling of it switched off)
+    refuses the model instead of serving wrong logits."""
+    from families import build
+
+    from pagedserve.model import runner
+
+    path = build("granite", tmp_path)
+    LLM(model=path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)  # served: the engine replicates it
+    monkeypatch.setattr(runner, "logits_transform", lambda config: None)
+    with pytest.raises(ModelLoadError, match="logits differ from the Hugging Face forward"):
+        LLM(model=path, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)
+
+
+def test_a_layer_that_bypasses_the_paged_store_is_refused(tiny_llama_dir, monkeypatch):
+    """A layer whose attention does not come through transformers' attention
+    interface (a recurrent or custom layer) would compute over the current chunk
+    only: refused at start-up, with how many layers came through."""
+    from transformers.models.llama import modeling_llama
+
+    forward = modeling_llama.LlamaAttention.forward
+
+    def bypass_in_layer_1(self, hidden_states, *args, **kwargs):
+        if self.layer_idx == 1:
+            self.config._attn_implementation = "eager"
+            try:
+                return forward(self, hidden_states, *args, **kwargs)
+            finally:
+                self.config._attn_implementation = "pagedserve"
+        return forward(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", bypass_in_layer_1)
+    with pytest.raises(ModelLoadError, match="1 of its 2 layers ran their attention through"):
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)

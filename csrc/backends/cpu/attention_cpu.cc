@@ -1,6 +1,7 @@
 #include "attention_cpu.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <system_error>
@@ -76,11 +77,16 @@ void reshape_and_cache(const TensorArg& key, const TensorArg& value, const Tenso
 
 AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens,
                              const TensorArg& block_tables, int64_t num_heads, int64_t num_kv_heads,
-                             int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal, int num_threads)
+                             int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal, int num_threads,
+                             int64_t sliding_window)
     : g_(check_attention_metadata(query_start_loc, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
                                   block_size, num_blocks)),
       causal_(causal),
+      sliding_window_(sliding_window),
       isa_(&active_isa()) {
+  if (sliding_window < 0) {
+    throw KernelArgumentError("sliding_window must be >= 0 (0: none), got " + std::to_string(sliding_window));
+  }
   if (num_threads < 1 || num_threads > kMaxThreads) {
     throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
                               std::to_string(num_threads));
@@ -107,16 +113,23 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
     if (q_len == 0) continue;
     const int32_t seq_len = lens[b];
     const int32_t nb = static_cast<int32_t>((seq_len + g_.block_size - 1) / g_.block_size);
+    // the first block holding a key visible to query position p under the window
+    const auto first_block = [&](int64_t p) -> int32_t {
+      return sliding_window > 0 ? static_cast<int32_t>(std::max<int64_t>(0, p - sliding_window + 1) / g_.block_size)
+                                : 0;
+    };
     for (int32_t hk = 0; hk < g_.num_kv_heads; ++hk) {
       int32_t splits = 1;
+      const int32_t j_start = q_len == 1 ? first_block(seq_len - 1) : 0;
       if (q_len == 1 && split_factor > 1) {
-        splits = static_cast<int32_t>(std::min<int64_t>(split_factor, std::max(1, nb / kMinBlocksPerSplit)));
+        splits = static_cast<int32_t>(
+            std::min<int64_t>(split_factor, std::max(1, (nb - j_start) / kMinBlocksPerSplit)));
       }
       if (splits > 1) {
         split_groups_.push_back({b, hk, splits, static_cast<int64_t>(items_.size())});
-        const int32_t per = (nb + splits - 1) / splits;
+        const int32_t per = (nb - j_start + splits - 1) / splits;
         for (int32_t sp = 0; sp < splits; ++sp) {
-          items_.push_back({b, hk, 0, 1, sp * per, std::min(nb, (sp + 1) * per), sp});
+          items_.push_back({b, hk, 0, 1, j_start + sp * per, std::min(nb, j_start + (sp + 1) * per), sp});
         }
         continue;
       }
@@ -124,7 +137,8 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
         const int32_t q1 = std::min(q_len, q0 + kQueryChunk);
         // causal: the chunk's last query sees keys up to its own position
         const int64_t last_pos = causal ? seq_len - q_len + q1 - 1 : seq_len - 1;
-        items_.push_back({b, hk, q0, q1, 0, static_cast<int32_t>(last_pos / g_.block_size + 1), -1});
+        items_.push_back({b, hk, q0, q1, first_block(seq_len - q_len + q0),
+                          static_cast<int32_t>(last_pos / g_.block_size + 1), -1});
       }
     }
   }
@@ -148,8 +162,17 @@ AttentionPlan::~AttentionPlan() = default;
 
 int AttentionPlan::num_threads() const { return pool_->num_threads(); }
 
+int64_t AttentionPlan::num_blocks_visited() const {
+  int64_t n = 0;
+  for (const WorkItem& it : items_) n += it.j1 - it.j0;
+  return n;
+}
+
 void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const TensorArg& k_cache,
-                        const TensorArg& v_cache, float scale) {
+                        const TensorArg& v_cache, float scale, float softcap) {
+  if (!(softcap >= 0.f) || std::isinf(softcap)) {
+    throw KernelArgumentError("softcap must be a finite number >= 0 (0: none), got " + std::to_string(softcap));
+  }
   check_caches(k_cache, v_cache, g_.num_blocks, g_.num_kv_heads, g_.head_dim, g_.block_size);
   check_token_heads(query, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
   check_token_heads(out, g_.num_tokens, g_.num_heads, g_.head_dim, k_cache.dtype);
@@ -175,6 +198,8 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
   a.max_blocks = g_.max_blocks;
   a.scale = scale;
   a.causal = causal_;
+  a.sliding_window = sliding_window_;
+  a.softcap = softcap;
   const KernelTable& k = isa_->table();
   const int64_t per_split = g_.group() * g_.head_dim;  // floats of one split item's partial accumulators
   pool_->run(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {

@@ -47,26 +47,34 @@ class AttentionPlan {
   // query_start_loc [B+1], seq_lens [B], block_tables [B, max_blocks] (int32;
   // -1 padding allowed past the blocks a sequence uses) are validated and
   // copied. Query token i of sequence b sits at position seq_lens[b] - q_len[b]
-  // + i and sees key positions <= its own (all keys when causal is false).
+  // + i and sees key positions <= its own (all keys when causal is false);
+  // with sliding_window > 0 only keys at positions > its own - sliding_window
+  // (transformers' sliding-window mask), and the work items skip the blocks
+  // wholly outside the window, so a long decode reads only in-window blocks.
   // num_threads in [1, kMaxThreads] worker threads (usually torch.get_num_threads()). The ISA
   // variant is the active one now (cpu_isa.h). Throws KernelArgumentError.
   AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens, const TensorArg& block_tables,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                bool causal, int num_threads);
+                bool causal, int num_threads, int64_t sliding_window = 0);
   ~AttentionPlan();
 
   const AttentionGeometry& geometry() const { return g_; }
   const char* isa() const { return isa_->name; }
   int64_t num_work_items() const { return static_cast<int64_t>(items_.size()); }
   int64_t num_split_groups() const { return static_cast<int64_t>(split_groups_.size()); }
+  int64_t sliding_window() const { return sliding_window_; }
+  // KV blocks the work items read, summed over items (each item is one KV head).
+  int64_t num_blocks_visited() const;
   int num_threads() const;
 
   // out [T, H, D] = attention of query [T, H, D] over one layer's caches
   // (layout above, the plan's num_blocks / Hkv / D / block_size; query, out and
-  // caches of one dtype, float32 or bfloat16). Checks the tensors against the
-  // plan in O(1), then runs the work items. Calls on one plan are serialised.
+  // caches of one dtype, float32 or bfloat16). softcap > 0: every scaled score s
+  // becomes softcap * tanh(s / softcap) (Gemma 2's attention logit soft-capping).
+  // Checks the tensors against the plan in O(1), then runs the work items.
+  // Calls on one plan are serialised.
   void run(const TensorArg& out, const TensorArg& query, const TensorArg& k_cache, const TensorArg& v_cache,
-           float scale);
+           float scale, float softcap = 0.f);
 
  private:
   struct SplitGroup {
@@ -75,6 +83,7 @@ class AttentionPlan {
   };
   AttentionGeometry g_;
   bool causal_;
+  int64_t sliding_window_;
   const IsaVariant* isa_;
   std::vector<int32_t> query_start_loc_, seq_lens_, block_tables_;
   std::vector<WorkItem> items_;

@@ -51,6 +51,11 @@ struct KernelArgs {
   int64_t num_kv_heads, group, head_dim, block_size, max_blocks;
   float scale;
   bool causal;
+  // 0: none. Else a query at position q sees keys at positions > q - sliding_window
+  // (transformers' sliding-window mask; Mistral, Gemma 2/3).
+  int64_t sliding_window;
+  // 0: none. Else each scaled score s becomes softcap * tanh(s / softcap) (Gemma 2).
+  float softcap;
 };
 
 // Scratch floats one worker needs for run_item/merge_splits.

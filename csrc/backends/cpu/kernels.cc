@@ -33,6 +33,7 @@ namespace {
 using bf16 = uint16_t;
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
+inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline float fmax2(float a, float b) { return a > b ? a : b; }
 
 inline float bf16_to_float(bf16 x) {
@@ -70,6 +71,12 @@ void block_scores(const float* q, const float* kt, int n, int d, int bs, float* 
 #pragma omp simd
     for (int t = 0; t < n; ++t) s[t] += qi * row[t];
   }
+}
+
+// s[t] = cap * tanh(s[t] / cap) for t < n (attention logit soft-capping, Gemma 2).
+void soft_cap(float* s, int n, float cap) {
+  const float inv = 1.f / cap;
+  for (int t = 0; t < n; ++t) s[t] = cap * tanhf(s[t] * inv);
 }
 
 // max_t s[t] (s non-empty).
@@ -131,10 +138,12 @@ inline float online_softmax_step(float* s, int n, float* m, float* l) {
 }
 
 // One (query row, KV block) step with compile-time block_size BS and head_dim
-// D, so the scores and the accumulator stay in registers.
+// D, so the scores and the accumulator stay in registers. Keys [lo, n) of the
+// block are visible (lo > 0 under a sliding window, n < BS at the causal edge).
 template <int BS, int D>
-void row_block_fixed(const float* q, const float* kt, const float* v, int n, float* m, float* l, float* acc) {
-  float s[BS];  // all BS lanes computed (finite cache contents), the first n used
+void row_block_fixed(const float* q, const float* kt, const float* v, int lo, int n, float cap, float* m, float* l,
+                     float* acc) {
+  float s[BS];  // all BS lanes computed (finite cache contents), [lo, n) used
 #pragma omp simd
   for (int t = 0; t < BS; ++t) s[t] = 0.f;
   for (int i = 0; i < D; ++i) {
@@ -142,11 +151,12 @@ void row_block_fixed(const float* q, const float* kt, const float* v, int n, flo
 #pragma omp simd
     for (int t = 0; t < BS; ++t) s[t] += qi * kt[i * BS + t];
   }
-  const float alpha = online_softmax_step(s, n, m, l);
+  if (cap > 0.f) soft_cap(s + lo, n - lo, cap);
+  const float alpha = online_softmax_step(s + lo, n - lo, m, l);
   float a[D];
 #pragma omp simd
   for (int i = 0; i < D; ++i) a[i] = acc[i] * alpha;
-  for (int t = 0; t < n; ++t) {
+  for (int t = lo; t < n; ++t) {
     const float pt = s[t];
 #pragma omp simd
     for (int i = 0; i < D; ++i) a[i] += pt * v[t * D + i];
@@ -155,7 +165,7 @@ void row_block_fixed(const float* q, const float* kt, const float* v, int n, flo
   for (int i = 0; i < D; ++i) acc[i] = a[i];
 }
 
-using RowBlockFn = void (*)(const float*, const float*, const float*, int, float*, float*, float*);
+using RowBlockFn = void (*)(const float*, const float*, const float*, int, int, float, float*, float*, float*);
 
 // The specialised step for (block_size, head_dim), or nullptr (generic path).
 RowBlockFn fixed_row_block(int64_t bs, int64_t d) {
@@ -229,14 +239,17 @@ void run_item_typed(const KernelArgs& a, const WorkItem& it, float* scratch, flo
         const int64_t r = gi * nq + qi;
         const int64_t qpos = first_pos + it.q0 + qi;
         const int64_t n = a.causal ? imin(n_valid, qpos - j * bs + 1) : n_valid;
-        if (n <= 0) continue;
+        // sliding window: keys at positions <= qpos - window are hidden
+        const int64_t lo = a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * bs) : 0;
+        if (n <= lo) continue;
         if (fixed != nullptr) {
-          fixed(qf + r * d, kb, vb, static_cast<int>(n), m + r, l + r, acc + r * d);
+          fixed(qf + r * d, kb, vb, static_cast<int>(lo), static_cast<int>(n), a.softcap, m + r, l + r, acc + r * d);
           continue;
         }
         block_scores(qf + r * d, kb, static_cast<int>(n), static_cast<int>(d), static_cast<int>(bs), s);
-        const float alpha = online_softmax_step(s, static_cast<int>(n), m + r, l + r);
-        block_accumulate(acc + r * d, alpha, s, vb, static_cast<int>(n), static_cast<int>(d));
+        if (a.softcap > 0.f) soft_cap(s + lo, static_cast<int>(n - lo), a.softcap);
+        const float alpha = online_softmax_step(s + lo, static_cast<int>(n - lo), m + r, l + r);
+        block_accumulate(acc + r * d, alpha, s + lo, vb + lo * d, static_cast<int>(n - lo), static_cast<int>(d));
       }
     }
   }

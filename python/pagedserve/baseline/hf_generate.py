@@ -6,6 +6,12 @@ from __future__ import annotations
 
 import torch
 
+# generate() with no EOS at all: it never stops early and never masks EOS, so
+# EOS is a token like any other, as ignore_eos means in PagedServe and vLLM
+# (min_new_tokens would instead forbid EOS: another greedy sequence whenever
+# EOS is the argmax).
+_IGNORE_EOS = {"eos_token_id": []}
+
 
 @torch.inference_mode()
 def generate_sequential(model, prompts: list[list[int]], max_new_tokens: int,
@@ -14,7 +20,7 @@ def generate_sequential(model, prompts: list[list[int]], max_new_tokens: int,
     outs = []
     for ids in prompts:
         x = torch.tensor([ids])
-        kw = {"min_new_tokens": max_new_tokens} if ignore_eos else {}
+        kw = _IGNORE_EOS if ignore_eos else {}
         y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
                            do_sample=False, pad_token_id=model.generation_config.pad_token_id or 0, **kw)
         outs.append(y[0, len(ids):].tolist())
@@ -32,6 +38,6 @@ def generate_static_batch(model, prompts: list[list[int]], max_new_tokens: int,
     for i, p in enumerate(prompts):
         x[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    y = model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                       do_sample=False, pad_token_id=pad_token_id)
+    y = model.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                       pad_token_id=pad_token_id, **_IGNORE_EOS)
     return y[:, width:].tolist()

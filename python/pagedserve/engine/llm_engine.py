@@ -24,7 +24,7 @@ from ..kernels import resolve_backend
 from ..kernels.backend import AttentionSpec
 from ..metrics import EngineMetrics
 from ..model.attention import register as register_attention
-from ..model.features import attention_features, unsupported_model_features
+from ..model.features import attention_features
 from ..model.kv_cache import KVCache
 from ..model.loader import load_config, load_model
 from ..model.runner import ModelRunner, use_onednn_linear
@@ -77,9 +77,6 @@ class LLMEngine:
         hf = hf_config.get_text_config()
         max_model_len = args.max_model_len or getattr(hf, "max_position_embeddings", None)
         features = attention_features(hf_config, max_model_len or sys.maxsize)
-        refused = unsupported_model_features(hf_config) + features.describe()
-        if unsupported_model_features(hf_config):
-            raise ModelLoadError(f"{name} needs {', '.join(refused)}, which PagedServe does not implement")
         backend_cls = resolve_backend(args.attention_backend, self.device, self.dtype, features)
         if max_model_len is None:
             raise ValueError(f"{name}'s config sets no max_position_embeddings: give max_model_len")
@@ -103,11 +100,11 @@ class LLMEngine:
             self.linear_path = use_onednn_linear(self.model, self.dtype)
         self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads  # GPT-2: MHA
         block_size = args.block_size
-        block_bytes = KVCache.bytes_per_block(hf.num_hidden_layers, block_size, hf.num_key_value_heads, head_dim,
-                                              self.dtype)
+        block_bytes = KVCache.bytes_per_block(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, self.dtype)
         num_blocks = args.num_kv_blocks or max(1, min(args.kv_cache_memory // block_bytes, 2**31 - 1))
-        self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, hf.num_key_value_heads, head_dim,
+        self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, num_kv_heads, head_dim,
                                                  block_size, num_blocks, self.dtype, self.device))
         try:
             self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
@@ -138,10 +135,33 @@ class LLMEngine:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
         try:
-            self.runner.warm_up()
+            check = self.runner.startup_check()
         except Exception as e:
             raise RuntimeError(f"start-up check step failed with dtype {self.dtype}, attention backend "
                                f"{backend_cls.name}, linear layers {self.linear_path}: {e}") from e
+        self._refuse_what_the_check_saw(name, check, features, hf.num_hidden_layers)
+
+    @staticmethod
+    def _refuse_what_the_check_saw(name: str, check, features, num_layers: int) -> None:
+        """Raises ModelLoadError when the start-up check shows the engine would
+        not compute what the model computes: a layer whose attention bypassed
+        our paged store, a configured sliding window no layer passed on, or
+        logits that differ from the Hugging Face forward's."""
+        if check.attention_calls != num_layers:
+            raise ModelLoadError(
+                f"{name}: {check.attention_calls} of its {num_layers} layers ran their attention through "
+                "transformers' attention interface; the others (recurrent or custom layers) would bypass the "
+                "paged KV cache, which PagedServe does not support")
+        if features.sliding_window is not None and check.windows == {None}:
+            raise ModelLoadError(f"{name}'s config sets a sliding window of {features.sliding_window}, but no "
+                                 "layer passed it to the attention function: it cannot be applied exactly")
+        if not check.max_abs_diff <= check.tolerance:
+            raise ModelLoadError(
+                f"{name}: the engine's logits differ from the Hugging Face forward's by {check.max_abs_diff:.3g} "
+                f"(allowed {check.tolerance:.3g}) on the start-up check prompt: the architecture does something "
+                "the engine does not replicate")
+        logger.info("start-up check: %d attention layers through the paged store, logits within %.2g of "
+                    "Hugging Face's (allowed %.2g)", check.attention_calls, check.max_abs_diff, check.tolerance)
 
     def _eos_token_ids(self) -> list[int]:
         ids = set()

@@ -173,6 +173,12 @@ class AttentionBackend(ABC):
         serves them all. The default: only plain causal attention."""
         return features.describe()
 
+    @staticmethod
+    def only_window_and_softcap(features: AttentionFeatures) -> list[str]:
+        """unsupported_features of a backend that implements sliding windows and
+        logit soft-capping but neither ALiBi nor sinks."""
+        return AttentionFeatures(alibi=features.alibi, sinks=features.sinks).describe()
+
     # ---- KV cache layout --------------------------------------------------
     @abstractmethod
     def kv_cache_shape(self) -> tuple[int, ...]:
@@ -218,6 +224,12 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Any,
-                        scale: float) -> torch.Tensor:
+                        scale: float, sliding_window: int | None = None,
+                        logit_softcap: float | None = None) -> torch.Tensor:
         """Attention of query [T, H, D] over each sequence's blocks -> [T, H, D]
-        in the cache dtype. ``plan`` comes from make_plan for this step."""
+        in the cache dtype. ``plan`` comes from make_plan for this step. The
+        layer's own parameters: ``sliding_window`` (a query at position p sees
+        keys at positions > p - sliding_window, transformers' mask) and
+        ``logit_softcap`` (each scaled score s becomes cap * tanh(s / cap)). A
+        backend that does not implement one says so in unsupported_features, so
+        it never receives it."""

@@ -1,4 +1,6 @@
-"""The C++ CPU backend (csrc/backends/cpu/): the default on CPU.
+"""The C++ CPU backend (csrc/backends/cpu/): the default on CPU. Implements
+per-layer sliding windows (a decode reads only the blocks inside the window)
+and attention logit soft-capping.
 
 KV layout, per layer one tensor [2, num_blocks, Hkv, block_size * D]:
   k_cache [num_blocks, Hkv, D, block_size]: each block's keys transposed, so a
@@ -19,7 +21,36 @@ from __future__ import annotations
 import torch
 
 from .. import _core
-from .backend import AttentionBackend, AttentionMetadata, KernelVariant
+from .backend import AttentionBackend, AttentionFeatures, AttentionMetadata, AttentionSpec, KernelVariant
+
+
+class CpuPlan:
+    """One step's plans: the C++ AttentionPlan without a window (built and
+    validated at once) and one per sliding window a layer asks for (built on the
+    first such layer of the step, then shared by the others).
+
+    Args:
+        spec: the backend's AttentionSpec.
+        metadata: the step's AttentionMetadata.
+    Raises:
+        KernelArgumentError (a ValueError) on bad metadata.
+    """
+
+    def __init__(self, spec: AttentionSpec, metadata: AttentionMetadata) -> None:
+        self.spec, self.metadata = spec, metadata
+        self.plans: dict[int, _core.cpu.AttentionPlan] = {}
+        self.for_window(None)
+
+    def for_window(self, sliding_window: int | None) -> _core.cpu.AttentionPlan:
+        """The C++ plan for this sliding window (None or 0: none)."""
+        key = sliding_window or 0
+        plan = self.plans.get(key)
+        if plan is None:
+            s, md = self.spec, self.metadata
+            plan = self.plans[key] = _core.cpu.AttentionPlan(
+                md.query_start_loc, md.seq_lens, md.block_tables, s.num_heads, s.num_kv_heads, s.head_dim,
+                s.block_size, s.num_blocks, md.causal, torch.get_num_threads(), key)
+        return plan
 
 
 class CpuAttentionBackend(AttentionBackend):
@@ -63,13 +94,14 @@ class CpuAttentionBackend(AttentionBackend):
         src, dst = blocks_to_copy[:, 0].long(), blocks_to_copy[:, 1].long()
         kv_cache[:, :, dst] = kv_cache[:, :, src]  # every layer, K and V, in one indexed copy
 
-    def make_plan(self, metadata: AttentionMetadata) -> _core.cpu.AttentionPlan:
+    @classmethod
+    def unsupported_features(cls, features: AttentionFeatures) -> list[str]:
+        return cls.only_window_and_softcap(features)
+
+    def make_plan(self, metadata: AttentionMetadata) -> CpuPlan:
         """Validates the step's metadata and partitions its work (raises
         KernelArgumentError, a ValueError, on a bad index)."""
-        s = self.spec
-        return _core.cpu.AttentionPlan(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
-                                       s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks,
-                                       metadata.causal, torch.get_num_threads())
+        return CpuPlan(self.spec, metadata)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -77,14 +109,15 @@ class CpuAttentionBackend(AttentionBackend):
             key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
         _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
 
-    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        plan: _core.cpu.AttentionPlan, scale: float) -> torch.Tensor:
+    def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuPlan,
+                        scale: float, sliding_window: int | None = None,
+                        logit_softcap: float | None = None) -> torch.Tensor:
         if query.dtype != k_cache.dtype:
             query = query.to(k_cache.dtype)
         if query.stride(-1) != 1:
             query = query.contiguous()
         out = torch.empty(query.shape, dtype=query.dtype)
-        plan.run(out, query, k_cache, v_cache, scale)
+        plan.for_window(sliding_window).run(out, query, k_cache, v_cache, scale, logit_softcap or 0.0)
         return out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _core
-from .backend import AttentionBackend, AttentionMetadata
+from .backend import AttentionBackend, AttentionFeatures, AttentionMetadata
 
 BLOCKS_PER_TILE = 8
 
@@ -50,8 +50,9 @@ class TorchAttentionPlan:
 
 def make_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
               block_size: int, num_kv_heads: int, causal: bool = True, device: torch.device | str = "cpu",
-              blocks_per_tile: int = BLOCKS_PER_TILE) -> TorchAttentionPlan:
-    """Builds the plan of one step (arguments: see AttentionMetadata)."""
+              sliding_window: int | None = None, blocks_per_tile: int = BLOCKS_PER_TILE) -> TorchAttentionPlan:
+    """Builds the plan of one step for one sliding window (arguments: see
+    AttentionMetadata; sliding_window None: none)."""
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]
     qsl = query_start_loc.long().to(device)
     lens_all = seq_lens.long().to(device)
@@ -73,6 +74,8 @@ def make_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
             visible = k_pos[None, None, :] < lens[:, None, None]  # [B, 1, K]
             if causal:
                 visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, K]
+            if sliding_window:
+                visible = visible & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
             bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
             tiles.append((ids[:, None, :] * num_kv_heads + heads, bias.expand(len(rows), nq, -1).unsqueeze(1)))
         plan.groups.append(_Group(tokens, len(rows), nq, tiles))
@@ -80,8 +83,9 @@ def make_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _Group,
-            scale: float) -> torch.Tensor:
-    """Online-softmax attention of q [B, Q, H, D] over the group's tiles -> [B, Q, H, D] float32."""
+            scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Online-softmax attention of q [B, Q, H, D] over the group's tiles -> [B, Q, H, D] float32.
+    softcap: scores s become softcap * tanh(s / softcap) before the mask."""
     b, nq, h, d = q.shape
     hkv, block_size = k_cache.shape[1], k_cache.shape[2]
     g = h // hkv
@@ -94,10 +98,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
         nk = ids.shape[2] * block_size
         k = k_rows[ids].view(b * hkv, nk, d).float()
         v = v_rows[ids].view(b * hkv, nk, d).float()
-        s = (torch.bmm(qg, k.transpose(1, 2)).view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
+        s = torch.bmm(qg, k.transpose(1, 2))
+        if softcap:
+            s = softcap * torch.tanh(s / softcap)
+        s = (s.view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
         m_tile = s.amax(dim=-1, keepdim=True)
-        if m is None:  # first tile: it holds key 0, which every query sees
-            m = m_tile
+        if m is None:  # first tile
+            m = m_tile.clamp(min=torch.finfo(s.dtype).min)  # a row may see nothing in it (sliding window)
             p = torch.exp(s - m)
             l = p.sum(dim=-1, keepdim=True)
             acc = torch.bmm(p, v)
@@ -110,6 +117,23 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
         m = m_new
     out = (acc / l).view(b, hkv, g, nq, d)
     return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
+
+
+class TorchPlanSet:
+    """One step's plans, one per sliding window a layer asks for (built on first
+    use in the step, shared by the other layers)."""
+
+    def __init__(self, backend: "TorchAttentionBackend", metadata: AttentionMetadata) -> None:
+        self.backend, self.metadata = backend, metadata
+        self.plans: dict[int, TorchAttentionPlan] = {}
+
+    def for_window(self, sliding_window: int | None) -> TorchAttentionPlan:
+        key = sliding_window or 0
+        if key not in self.plans:
+            md, s = self.metadata, self.backend.spec
+            self.plans[key] = make_plan(md.query_start_loc, md.seq_lens, md.block_tables, s.block_size,
+                                        s.num_kv_heads, md.causal, s.device, key or None)
+        return self.plans[key]
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -127,14 +151,19 @@ class TorchAttentionBackend(AttentionBackend):
     def split_kv_cache(self, layer_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return layer_cache[0], layer_cache[1]
 
-    def make_plan(self, metadata: AttentionMetadata) -> TorchAttentionPlan:
+    @classmethod
+    def unsupported_features(cls, features: AttentionFeatures) -> list[str]:
+        return cls.only_window_and_softcap(features)
+
+    def make_plan(self, metadata: AttentionMetadata) -> TorchPlanSet:
         """Validates the host metadata with the checks every backend shares (raises
-        KernelArgumentError), then builds the plan on the device."""
+        KernelArgumentError), then builds the window-free plan on the device."""
         s = self.spec
         _core.check_attention_metadata(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables,
                                        s.num_heads, s.num_kv_heads, s.head_dim, s.block_size, s.num_blocks)
-        return make_plan(metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, self.spec.block_size,
-                         self.spec.num_kv_heads, metadata.causal, self.spec.device)
+        plans = TorchPlanSet(self, metadata)
+        plans.for_window(None)
+        return plans
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -151,26 +180,31 @@ class TorchAttentionBackend(AttentionBackend):
         v_cache[blocks, heads, offsets] = value.to(v_cache.dtype)
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        plan: TorchAttentionPlan, scale: float) -> torch.Tensor:
+                        plan: TorchPlanSet, scale: float, sliding_window: int | None = None,
+                        logit_softcap: float | None = None) -> torch.Tensor:
         """Raises ValueError if H is not a multiple of Hkv."""
         t, h, d = query.shape
         if h % k_cache.shape[1]:
             raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {k_cache.shape[1]}")
         out = torch.empty((t, h, d), dtype=k_cache.dtype, device=query.device)
-        for group in plan.groups:
+        for group in plan.for_window(sliding_window).groups:
             q = query[group.tokens].view(group.num_rows, group.num_queries, h, d)
-            out[group.tokens] = _attend(q, k_cache, v_cache, group, scale).reshape(-1, h, d).to(out.dtype)
+            out[group.tokens] = _attend(q, k_cache, v_cache, group, scale, logit_softcap).reshape(-1, h, d).to(
+                out.dtype)
         return out
 
 
 def dense_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-                    query_start_loc: torch.Tensor, scale: float, causal: bool = True) -> torch.Tensor:
+                    query_start_loc: torch.Tensor, scale: float, causal: bool = True,
+                    sliding_window: int | None = None, logit_softcap: float | None = None) -> torch.Tensor:
     """The contract's meaning without any paging: sequence b's queries
     query[qsl[b]:qsl[b+1]] ([q_len, H, D]) attend over its whole K/V given as
-    keys[b], values[b] ([seq_len, Hkv, D], positions 0..seq_len-1), by
-    torch's scaled_dot_product_attention in float32. Memory grows with the
-    sequence length: a test and benchmark reference, not a backend.
-    Returns [T, H, D] float32."""
+    keys[b], values[b] ([seq_len, Hkv, D], positions 0..seq_len-1), in float32,
+    with the same mask (causal, sliding window: key k visible to query q iff
+    k > q - sliding_window) and soft-cap (cap * tanh(s / cap)), through torch's
+    scaled_dot_product_attention (an explicit softmax when soft-capped). Memory
+    grows with the sequence length: a test and benchmark reference, not a
+    backend. Returns [T, H, D] float32."""
     t, h, d = query.shape
     out = torch.empty((t, h, d), dtype=torch.float32, device=query.device)
     for b, (k, v) in enumerate(zip(keys, values)):
@@ -178,11 +212,20 @@ def dense_attention(query: torch.Tensor, keys: list[torch.Tensor], values: list[
         if e == s:
             continue
         group = h // k.shape[1]
-        k = k.float().repeat_interleave(group, dim=1)
-        v = v.float().repeat_interleave(group, dim=1)
+        k = k.float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, n, D]
+        v = v.float().repeat_interleave(group, dim=1).transpose(0, 1)
+        q = query[s:e].float().transpose(0, 1)  # [H, q_len, D]
         q_pos = n - (e - s) + torch.arange(e - s, device=query.device)
-        mask = torch.arange(n, device=query.device)[None, :] <= q_pos[:, None] if causal else None
-        o = torch.nn.functional.scaled_dot_product_attention(
-            query[s:e].float().transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale)
+        k_pos = torch.arange(n, device=query.device)
+        visible = torch.ones((e - s, n), dtype=torch.bool, device=query.device)
+        if causal:
+            visible &= k_pos[None, :] <= q_pos[:, None]
+        if sliding_window:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        if logit_softcap:
+            scores = logit_softcap * torch.tanh(torch.matmul(q, k.transpose(1, 2)) * scale / logit_softcap)
+            o = torch.matmul(torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1), v)
+        else:
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale)
         out[s:e] = o.transpose(0, 1)
     return out

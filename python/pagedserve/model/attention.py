@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..kernels.backend import AttentionBackend
@@ -30,6 +30,9 @@ class ForwardContext:
         kv_cache: pagedserve.model.kv_cache.KVCache.
         backend: the AttentionBackend instance.
         max_model_len: sliding windows at least this long mask nothing.
+        calls: attention layers run so far in this pass (the warm-up checks
+            every layer came through here).
+        windows: the sliding windows the layers asked for.
     """
 
     plan: Any
@@ -37,6 +40,8 @@ class ForwardContext:
     kv_cache: Any
     backend: AttentionBackend
     max_model_len: int
+    calls: int = 0
+    windows: set = field(default_factory=set)
 
 
 _local = threading.local()
@@ -52,34 +57,29 @@ def forward_context(ctx: ForwardContext):
         _local.ctx = None
 
 
-def _refuse_unsupported(kwargs: dict, max_model_len: int) -> None:
-    """A safety net behind the load-time check (pagedserve.model.features):
-    attention arguments the backends do not implement must never be dropped."""
-    window = kwargs.get("sliding_window")
-    if window is not None and window < max_model_len:
-        raise RuntimeError(f"this layer uses a sliding window of {window}, which the attention backends do not "
-                           "implement")
-    if kwargs.get("softcap") is not None:
-        raise RuntimeError("this layer uses attention logit soft-capping, which the attention backends do not "
-                           "implement")
-    if kwargs.get("s_aux") is not None:
-        raise RuntimeError("this layer uses attention sinks, which the attention backends do not implement")
-
-
-def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                            sliding_window=None, softcap=None, **kwargs):
     """transformers attention function: query [1, H, T, D], key/value [1, Hkv, T, D]
-    (RoPE applied) -> ([1, T, H, D], None). Raises RuntimeError outside a
-    forward_context or for an attention feature the backends lack."""
+    (RoPE applied) -> ([1, T, H, D], None). The layer's own sliding_window and
+    softcap (transformers passes them per layer: Mistral, Gemma 2/3, Qwen2/3,
+    Phi-3, SmolLM3) go to the backend; the mask transformers built is not used,
+    the plan carries the step's causal structure. Raises RuntimeError outside a
+    forward_context or for attention sinks, which no backend implements."""
     ctx = getattr(_local, "ctx", None)
     if ctx is None:
         raise RuntimeError("pagedserve attention called outside ModelRunner.execute")
-    if kwargs:
-        _refuse_unsupported(kwargs, ctx.max_model_len)
+    if kwargs.get("s_aux") is not None:  # safety net behind the load-time refusal (model/features.py)
+        raise RuntimeError("this layer uses attention sinks, which the attention backends do not implement")
+    if sliding_window is not None and sliding_window >= ctx.max_model_len:
+        sliding_window = None  # can mask nothing: no position is that far from another
+    ctx.calls += 1
+    ctx.windows.add(sliding_window)
     k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
     ctx.backend.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
                                   ctx.slot_mapping)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ctx.backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.plan, scale)
+    out = ctx.backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.plan, scale,
+                                      sliding_window=sliding_window, logit_softcap=softcap)
     return out.unsqueeze(0), None
 
 

@@ -44,9 +44,28 @@ def attention_features(hf_config, max_model_len: int, model: torch.nn.Module | N
                              logit_softcap=float(softcap) if softcap else None, alibi=alibi, sinks=sinks)
 
 
-def unsupported_model_features(hf_config) -> list[str]:
-    """Model-level computations the engine's runner skips and so cannot serve
-    (the runner applies the lm_head itself): final logit soft-capping."""
+def logits_transform(hf_config):
+    """What a causal LM's own forward does to the lm_head's output, which the
+    runner must repeat since it applies the lm_head itself: Gemma 2/3's final
+    soft-cap (cap * tanh(x / cap)), Granite's division by logits_scaling,
+    Cohere's multiplication by logit_scale. Returns a function logits -> logits,
+    or None when there is nothing to do. (The start-up check compares the
+    engine's logits with the Hugging Face forward's, so a transform missing
+    from this list refuses the model instead of serving wrong logits.)"""
     cfg = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
     cap = _get(cfg, "final_logit_softcapping")
-    return [f"final logit soft-capping (cap {cap})"] if cap else []
+    divide = _get(cfg, "logits_scaling")
+    multiply = _get(cfg, "logit_scale")
+    if not cap and divide in (None, 1, 1.0) and multiply in (None, 1, 1.0):
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        if multiply not in (None, 1, 1.0):
+            logits = logits * multiply
+        if divide not in (None, 1, 1.0):
+            logits = logits / divide
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    return transform

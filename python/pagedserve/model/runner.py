@@ -5,6 +5,7 @@ only for the tokens that sample."""
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from ..hardware import onednn_linear_unsupported
 from ..kernels.backend import AttentionBackend, AttentionMetadata
 from .attention import ForwardContext, forward_context
+from .features import logits_transform
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,23 @@ def use_onednn_linear(model: torch.nn.Module, dtype: torch.dtype) -> str:
     return "oneDNN with pre-packed weights"
 
 
+@dataclass
+class StartupCheck:
+    """What ModelRunner.startup_check saw.
+
+    Attributes:
+        attention_calls: attention layers that ran through our hook in one pass.
+        windows: the sliding windows those layers asked for (None: none).
+        max_abs_diff: largest |engine logit - Hugging Face logit| over the prompt.
+        tolerance: the bound it must stay within for this dtype.
+    """
+
+    attention_calls: int
+    windows: set
+    max_abs_diff: float
+    tolerance: float
+
+
 class ModelRunner:
     """Executes one step's ModelInput on a Hugging Face causal LM.
 
@@ -70,10 +89,12 @@ class ModelRunner:
         self.model = model
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
+        self.logits_transform = logits_transform(model.config)
         self.kv_cache = kv_cache
         self.backend = backend
         self.device = backend.spec.device
         self.max_model_len = max_model_len
+        self.last_forward: ForwardContext | None = None  # the last pass's context (layers run, windows)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
@@ -106,7 +127,8 @@ class ModelRunner:
                                block_tables=torch.from_numpy(inp.block_tables))
         plan = self.backend.make_plan(md)  # once per step, shared by every layer
         slot_mapping = md.slot_mapping if self.device.type == "cpu" else self._to_device(inp.slot_mapping)
-        with forward_context(ForwardContext(plan, slot_mapping, self.kv_cache, self.backend, self.max_model_len)):
+        self.last_forward = ctx = ForwardContext(plan, slot_mapping, self.kv_cache, self.backend, self.max_model_len)
+        with forward_context(ctx):
             hidden = self.decoder(input_ids=input_ids, position_ids=positions, use_cache=False).last_hidden_state[0]
         logits = self.compute_logits(hidden[self._to_device(inp.logits_indices)])
         extra = None
@@ -116,20 +138,48 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32 on the CPU."""
-        return self.lm_head(hidden).float().cpu()
+        """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32 on
+        the CPU, after what the model's own forward does to them (final
+        soft-cap, scaling: pagedserve.model.features.logits_transform)."""
+        logits = self.lm_head(hidden)
+        if self.logits_transform is not None:
+            logits = self.logits_transform(logits)
+        return logits.float().cpu()
 
-    def warm_up(self) -> None:
-        """Runs one tiny step (2 tokens written to block 0, which no sequence
-        holds yet) through the model, the linear layers and the attention
-        backend, so a kernel or GEMM path that cannot run on this machine fails
-        at start-up, not at the first request. Raises whatever that step raises."""
-        n = min(2, self.kv_cache.block_size)
-        inp = SimpleNamespace(
-            input_ids=np.zeros(n, dtype=np.int64), positions=np.arange(n, dtype=np.int64),
-            slot_mapping=np.arange(n, dtype=np.int64), logits_indices=np.array([n - 1], dtype=np.int64),
-            query_start_loc=np.array([0, n], dtype=np.int32), seq_lens=np.array([n], dtype=np.int32),
-            block_tables=np.zeros((1, 1), dtype=np.int32), blocks_to_copy=np.zeros((0, 2), dtype=np.int32))
-        logits, _ = self.execute(inp)
-        if not bool(torch.isfinite(logits).all()):
+    @torch.inference_mode()
+    def startup_check(self) -> StartupCheck:
+        """Runs a short prompt through the engine's path — a prefill of n tokens
+        into block 0 (which no sequence holds yet), then one decode step that
+        reads them back from the paged store — and the same n + 1 tokens through
+        the Hugging Face forward with its eager attention, and compares their
+        logits. Any kernel or GEMM path that cannot run here fails now, not at
+        the first request; the report says how many attention layers came
+        through our hook, which sliding windows they asked for, and how far the
+        logits were apart. Raises whatever the steps raise."""
+        n = min(8, self.kv_cache.block_size - 1)
+        vocab = self.model.config.get_text_config().vocab_size
+        ids = (torch.arange(n + 1) * 7919 + 13) % vocab  # any tokens; fixed for reproducibility
+
+        def step(start: int, count: int, logits_at: list[int]):
+            return self.execute(SimpleNamespace(
+                input_ids=ids[start:start + count].numpy(), positions=np.arange(start, start + count),
+                slot_mapping=np.arange(start, start + count), logits_indices=np.array(logits_at),
+                query_start_loc=np.array([0, count], dtype=np.int32),
+                seq_lens=np.array([start + count], dtype=np.int32),
+                block_tables=np.zeros((1, 1), dtype=np.int32), blocks_to_copy=np.zeros((0, 2), dtype=np.int32)))[0]
+
+        ours = [step(0, n, list(range(n)))]
+        layers, windows = self.last_forward.calls, set(self.last_forward.windows)
+        ours.append(step(n, 1, [0]))
+        got = torch.cat(ours)
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation("eager")
+        try:
+            want = self.model(input_ids=ids[None].to(self.device), use_cache=False).logits[0].float().cpu()
+        finally:
+            self.model.set_attn_implementation(previous)
+        if not bool(torch.isfinite(got).all()):
             raise RuntimeError("the start-up check step produced non-finite logits")
+        # float32 paths differ only in summation order; bfloat16 rounds each product
+        tolerance = (1e-3 if self.backend.spec.dtype == torch.float32 else 5e-2) * (1.0 + float(want.abs().max()))
+        return StartupCheck(layers, windows, float((got - want).abs().max()), tolerance)
