@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve import _core
-from pagedserve.kernels.backend import AttentionBackend, AttentionMetadata
+from pagedserve.kernels.backend import AttentionBackend, AttentionMetadata, check_layer_params
 from pagedserve.kernels.torch_ref import dense_attention
 
 
@@ -49,6 +49,7 @@ class FakeGatherBackend(AttentionBackend):
         return cls.only_window_and_softcap(features)
 
     def paged_attention(self, query, k_cache, v_cache, plan, scale, sliding_window=None, logit_softcap=None):
+        sliding_window, logit_softcap = check_layer_params(sliding_window, logit_softcap)
         qsl, slots, causal = plan
         bs = self.spec.block_size
         keys = [k_cache[s // bs, s % bs] for s in slots]

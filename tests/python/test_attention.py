@@ -239,6 +239,30 @@ def test_every_backend_refuses_bad_metadata_in_its_plan(backend_cls, bad):
         case.backend.make_plan(AttentionMetadata(md.slot_mapping, qsl, lens, tables))
 
 
+@pytest.mark.parametrize("window,cap", [(0, None), (-3, None), (True, None), (2.5, None), (None, float("nan")),
+                                        (None, float("inf")), (None, -1.0), (None, 1e-50), (None, True)])
+def test_every_backend_refuses_bad_layer_parameters(backend_cls, window, cap):
+    case = build_case(backend_cls, 19, [1], [40], 16, 4, 2)
+    plan = case.backend.make_plan(case.md)
+    with pytest.raises(KernelArgumentError):
+        case.backend.paged_attention(case.query, case.k_cache, case.v_cache, plan, 0.1, sliding_window=window,
+                                     logit_softcap=cap)
+
+
+def test_stale_slots_past_a_sequence_never_leak_into_its_output(backend_cls):
+    """Slots a sequence does not own (past its length in its last block) may
+    hold anything a block's earlier owner left, NaN included."""
+    case = build_case(backend_cls, 20, [1, 5], [21, 37], 16, 4, 2)
+    store = case.backend.allocate_kv_cache(1)
+    store.fill_(float("nan"))
+    k_cache, v_cache = case.backend.split_kv_cache(store[0])
+    case.backend.reshape_and_cache(torch.cat(case.keys), torch.cat(case.values), k_cache, v_cache,
+                                   case.md.slot_mapping)
+    case.k_cache, case.v_cache = k_cache, v_cache
+    check(case)
+    check(case, sliding_window=9, logit_softcap=7.0)
+
+
 # ---- the C++ CPU backend's own checks --------------------------------------------
 
 def _cpu_case(*args, **kw):

@@ -121,5 +121,78 @@ def test_a_layer_that_bypasses_the_paged_store_is_refused(tiny_llama_dir, monkey
         return forward(self, hidden_states, *args, **kwargs)
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", bypass_in_layer_1)
-    with pytest.raises(ModelLoadError, match="1 of its 2 layers ran their attention through"):
+    with pytest.raises(ModelLoadError, match="made 1 calls to the attention function for 2 layers"):
         LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)
+
+
+def test_the_check_compares_with_the_model_as_loaded_not_as_the_engine_changed_it(tiny_llama_dir, monkeypatch):
+    """The reference logits come from the model before the engine swaps its
+    linear layers: a swapped layer that computed something else is caught."""
+    from pagedserve.model import runner
+
+    forward = runner.OneDNNLinear.forward
+    monkeypatch.setattr(runner.OneDNNLinear, "forward", lambda self, x: forward(self, x) * 1.01)
+    with pytest.raises(ModelLoadError, match="logits differ"):
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)
+
+
+def test_longrope_is_served_only_below_its_original_context(tmp_path):
+    """Phi-3's longrope picks its frequencies from the longest position in a
+    forward pass; in a packed batch that is another sequence's, so the engine
+    refuses positions past the original context and is exact below it."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    from families import COMMON
+
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 32,
+            "short_factor": [1.0 + 0.1 * i for i in range(8)], "long_factor": [2.0 + 0.3 * i for i in range(8)]}
+    torch.manual_seed(0)
+    Phi3ForCausalLM(Phi3Config(**COMMON, rope_parameters=rope, original_max_position_embeddings=32)).save_pretrained(
+        tmp_path)
+    with pytest.raises(ModelLoadError, match="longrope.*max_model_len <= 32"):
+        LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16, max_model_len=32,
+              max_num_batched_tokens=8)
+    prompts = [[3, 4, 5, 6, 7], list(range(10, 30))]
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)]
+    assert got == hf_greedy(str(tmp_path), prompts, 8)
+
+
+def test_a_configured_window_that_no_layer_uses_is_not_refused(tmp_path):
+    """Qwen2 with use_sliding_window but max_window_layers covering every layer:
+    layer_types says no layer slides, and transformers applies no window."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from families import COMMON
+
+    torch.manual_seed(0)
+    config = Qwen2Config(**COMMON, use_sliding_window=True, sliding_window=12, max_window_layers=2)
+    assert "sliding_attention" not in config.layer_types
+    Qwen2ForCausalLM(config).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    prompts = [list(range(10, 50))]
+    got = [o.outputs[0].token_ids for o in llm.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)]
+    assert got == hf_greedy(str(tmp_path), prompts, 6)
+
+
+def test_a_family_without_the_attention_interface_is_refused_with_the_reason(tmp_path):
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    FalconForCausalLM(FalconConfig(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                   alibi=False, new_decoder_architecture=False)).save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="does not take a custom attention implementation"):
+        LLM(model=str(tmp_path), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8, max_model_len=64)
+
+
+def test_a_deep_bfloat16_model_is_not_refused_for_rounding(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from families import COMMON
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_hidden_layers": 48})).save_pretrained(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=8)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3

@@ -24,10 +24,10 @@ from ..kernels import resolve_backend
 from ..kernels.backend import AttentionSpec
 from ..metrics import EngineMetrics
 from ..model.attention import register as register_attention
-from ..model.features import attention_features
+from ..model.features import attention_features, dynamic_rope_limit
 from ..model.kv_cache import KVCache
 from ..model.loader import load_config, load_model
-from ..model.runner import ModelRunner, use_onednn_linear
+from ..model.runner import ModelRunner, check_prompt, hf_reference_logits, use_onednn_linear
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
 from .outputs import Logprob, RequestOutput
@@ -46,8 +46,10 @@ class LLMEngine:
 
     Start-up decides, logs and keeps: the dtype (``self.dtype``, "auto"
     resolved from the CPU), the attention backend class and its kernel variant,
-    the linear-layer path; then it runs one tiny step so anything that cannot
-    run on this machine fails here, not at the first request.
+    the linear-layer path; then the start-up check (ModelRunner.startup_check)
+    runs a short prompt through the engine and compares it with the Hugging
+    Face forward, so anything that cannot run on this machine fails here, not at
+    the first request, and a model the engine would compute wrongly is refused.
 
     Args:
         args: EngineArgs (defaults when None).
@@ -61,7 +63,9 @@ class LLMEngine:
         (sliding window, soft-capping, ALiBi, sinks), with the reason;
         pagedserve.errors.InvalidArgumentError when PAGEDSERVE_CPU_ISA names a
         kernel variant that cannot run here; OSError from transformers if the
-        model cannot be found; RuntimeError when the start-up check step fails.
+        model cannot be found; RuntimeError when the start-up check step fails;
+        ModelLoadError when its result shows the engine would compute the model
+        wrongly (or the model's RoPE depends on the batch: longrope, dynamic).
         All are ValueErrors, except OSError and the start-up RuntimeError.
     """
 
@@ -84,6 +88,12 @@ class LLMEngine:
         if limit is not None and max_model_len > limit:
             raise ValueError(f"max_model_len {max_model_len} exceeds {name}'s max_position_embeddings ({limit})")
         self.max_model_len = int(max_model_len)
+        rope = dynamic_rope_limit(hf_config)
+        if rope is not None and self.max_model_len > rope[1]:
+            raise ModelLoadError(
+                f"{name} uses {rope[0]} RoPE scaling, whose frequencies follow the longest position in each "
+                f"forward pass; in a packed batch that is another sequence's, so it is served exactly only with "
+                f"max_model_len <= {rope[1]} (asked: {self.max_model_len})")
         variant = backend_cls.active_variant()  # raises for a kernel variant this CPU cannot run
         loaded = load_model(path, name, hf_config, dtype=self.dtype, device=self.device,
                             attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
@@ -92,6 +102,13 @@ class LLMEngine:
         if late:  # parameters the config did not announce (attention sinks)
             raise ModelLoadError(f"{name} needs {', '.join(late)}, which the {backend_cls.name} backend does "
                                  "not implement")
+        # the start-up check's reference: the model exactly as loaded, before the engine changes anything
+        check_ids = check_prompt(hf.vocab_size, args.block_size, self.max_model_len)
+        try:
+            reference, noise = hf_reference_logits(self.model, check_ids)
+        except Exception as e:
+            raise ModelLoadError(f"{name}: the Hugging Face forward itself failed on the start-up check prompt "
+                                 f"({type(e).__name__}: {e})") from e
         if self.device.type != "cpu":
             self.linear_path = "torch's default GEMM (oneDNN linear is CPU-only)"
         elif not args.onednn_linear:
@@ -135,10 +152,12 @@ class LLMEngine:
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
         try:
-            check = self.runner.startup_check()
+            check = self.runner.startup_check(check_ids, reference, noise)
         except Exception as e:
             raise RuntimeError(f"start-up check step failed with dtype {self.dtype}, attention backend "
-                               f"{backend_cls.name}, linear layers {self.linear_path}: {e}") from e
+                               f"{backend_cls.name}, linear layers {self.linear_path} ({type(e).__name__}: {e}); "
+                               f"if the model's decoder is not a transformers decoder model, PagedServe cannot "
+                               f"serve it") from e
         self._refuse_what_the_check_saw(name, check, features, hf.num_hidden_layers)
 
     @staticmethod
@@ -149,9 +168,9 @@ class LLMEngine:
         logits that differ from the Hugging Face forward's."""
         if check.attention_calls != num_layers:
             raise ModelLoadError(
-                f"{name}: {check.attention_calls} of its {num_layers} layers ran their attention through "
-                "transformers' attention interface; the others (recurrent or custom layers) would bypass the "
-                "paged KV cache, which PagedServe does not support")
+                f"{name}: one forward pass made {check.attention_calls} calls to the attention function for "
+                f"{num_layers} layers (PagedServe needs exactly one per layer): layers that bypass it (recurrent or "
+                "custom) or call it more than once would not keep their state in the paged KV cache")
         if features.sliding_window is not None and check.windows == {None}:
             raise ModelLoadError(f"{name}'s config sets a sliding window of {features.sliding_window}, but no "
                                  "layer passed it to the attention function: it cannot be applied exactly")

@@ -22,6 +22,7 @@ reason, ``variants()`` (kernel builds a test can run one by one), and
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -123,6 +124,31 @@ class AttentionFeatures:
         if self.sinks:
             out.append("attention sinks")
         return out
+
+
+def check_layer_params(sliding_window, logit_softcap) -> tuple[int, float]:
+    """Validates one layer's attention parameters as paged_attention receives
+    them; returns (window, cap) with 0 meaning none. Raises KernelArgumentError
+    for a window that is not an int in [1, 2^31) or a cap that is not a finite
+    positive float32."""
+    from ..errors import KernelArgumentError
+
+    window = 0
+    if sliding_window is not None:
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or not 1 <= sliding_window < 2**31:
+            raise KernelArgumentError(f"sliding_window must be None or an int in [1, 2^31), got {sliding_window!r}")
+        window = sliding_window
+    cap = 0.0
+    if logit_softcap is not None:
+        try:
+            cap = float(logit_softcap)
+        except (TypeError, ValueError):
+            cap = float("nan")
+        if isinstance(logit_softcap, bool) or not (math.isfinite(cap) and cap > 0.0):
+            raise KernelArgumentError(f"logit_softcap must be None or a finite number > 0, got {logit_softcap!r}")
+        if not 1.2e-38 < cap < 3.4e38:  # what float32 holds as a normal number
+            raise KernelArgumentError(f"logit_softcap {cap} is outside float32's normal range")
+    return window, cap
 
 
 class AttentionBackend(ABC):

@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from .. import _core
-from .backend import AttentionBackend, AttentionFeatures, AttentionMetadata, AttentionSpec, KernelVariant
+from .backend import (AttentionBackend, AttentionFeatures, AttentionMetadata, AttentionSpec, KernelVariant,
+                      check_layer_params)
 
 
 class CpuPlan:
@@ -116,8 +117,9 @@ class CpuAttentionBackend(AttentionBackend):
             query = query.to(k_cache.dtype)
         if query.stride(-1) != 1:
             query = query.contiguous()
+        window, cap = check_layer_params(sliding_window, logit_softcap)
         out = torch.empty(query.shape, dtype=query.dtype)
-        plan.for_window(sliding_window).run(out, query, k_cache, v_cache, scale, logit_softcap or 0.0)
+        plan.for_window(window).run(out, query, k_cache, v_cache, scale, cap)
         return out
 
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import _core
-from .backend import AttentionBackend, AttentionFeatures, AttentionMetadata
+from .backend import AttentionBackend, AttentionFeatures, AttentionMetadata, check_layer_params
 
 BLOCKS_PER_TILE = 8
 
@@ -35,8 +35,8 @@ class _Group:
     num_rows: int  # B
     num_queries: int  # Q: queries per row
     # per tile: (rows of the [num_blocks * Hkv, block_size, D] cache view [B, Hkv, nt],
-    #            additive mask [B, 1, Q, K] with 0 = visible, -inf = hidden)
-    tiles: list[tuple[torch.Tensor, torch.Tensor]]
+    #            visible [B, 1, Q, K] bool, keys inside the sequence [B, 1, K] bool)
+    tiles: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -71,13 +71,14 @@ def make_plan(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table
         for t0 in range(0, num_blocks, blocks_per_tile):
             ids = tables[rows, t0:min(t0 + blocks_per_tile, num_blocks)].clamp(min=0)
             k_pos = t0 * block_size + torch.arange(ids.shape[1] * block_size, device=device)
-            visible = k_pos[None, None, :] < lens[:, None, None]  # [B, 1, K]
+            in_seq = k_pos[None, None, :] < lens[:, None, None]  # [B, 1, K]
+            visible = in_seq
             if causal:
                 visible = visible & (k_pos[None, None, :] <= q_pos[:, :, None])  # [B, Q, K]
             if sliding_window:
                 visible = visible & (k_pos[None, None, :] > q_pos[:, :, None] - sliding_window)
-            bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-            tiles.append((ids[:, None, :] * num_kv_heads + heads, bias.expand(len(rows), nq, -1).unsqueeze(1)))
+            tiles.append((ids[:, None, :] * num_kv_heads + heads, visible.expand(len(rows), nq, -1).unsqueeze(1),
+                          in_seq))
         plan.groups.append(_Group(tokens, len(rows), nq, tiles))
     return plan
 
@@ -94,14 +95,15 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group
     # [B*Hkv, G*Q, D]: one batched matmul per tile, no broadcast copies of K/V
     qg = (q.float() * scale).view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b * hkv, g * nq, d)
     m = l = acc = None
-    for ids, bias in group.tiles:
+    for ids, visible, in_seq in group.tiles:
         nk = ids.shape[2] * block_size
         k = k_rows[ids].view(b * hkv, nk, d).float()
-        v = v_rows[ids].view(b * hkv, nk, d).float()
+        # slots past the sequence may hold anything (a block's earlier owner): zero them, as 0 * NaN is NaN
+        v = v_rows[ids].view(b, hkv, nk, d).float().masked_fill(~in_seq[:, :, :, None], 0.0).view(b * hkv, nk, d)
         s = torch.bmm(qg, k.transpose(1, 2))
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        s = (s.view(b, hkv, g, nq, nk) + bias.unsqueeze(1)).view(b * hkv, g * nq, nk)
+        s = s.view(b, hkv, g, nq, nk).masked_fill(~visible.unsqueeze(1), float("-inf")).view(b * hkv, g * nq, nk)
         m_tile = s.amax(dim=-1, keepdim=True)
         if m is None:  # first tile
             m = m_tile.clamp(min=torch.finfo(s.dtype).min)  # a row may see nothing in it (sliding window)
@@ -186,11 +188,11 @@ class TorchAttentionBackend(AttentionBackend):
         t, h, d = query.shape
         if h % k_cache.shape[1]:
             raise ValueError(f"num_heads {h} is not a multiple of num_kv_heads {k_cache.shape[1]}")
+        window, cap = check_layer_params(sliding_window, logit_softcap)
         out = torch.empty((t, h, d), dtype=k_cache.dtype, device=query.device)
-        for group in plan.for_window(sliding_window).groups:
+        for group in plan.for_window(window).groups:
             q = query[group.tokens].view(group.num_rows, group.num_queries, h, d)
-            out[group.tokens] = _attend(q, k_cache, v_cache, group, scale, logit_softcap).reshape(-1, h, d).to(
-                out.dtype)
+            out[group.tokens] = _attend(q, k_cache, v_cache, group, scale, cap).reshape(-1, h, d).to(out.dtype)
         return out
 
 

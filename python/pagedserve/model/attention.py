@@ -30,8 +30,8 @@ class ForwardContext:
         kv_cache: pagedserve.model.kv_cache.KVCache.
         backend: the AttentionBackend instance.
         max_model_len: sliding windows at least this long mask nothing.
-        calls: attention layers run so far in this pass (the warm-up checks
-            every layer came through here).
+        calls: attention layers run so far in this pass (the start-up check
+            makes sure every layer came through here, once).
         windows: the sliding windows the layers asked for.
     """
 

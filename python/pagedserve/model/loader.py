@@ -194,7 +194,13 @@ def load_model(
         kwargs["config"] = config
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    hf_model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    except KeyError as e:  # transformers looks our attention function up by name; some families cannot
+        if attn_implementation and str(e).strip("'\"") == attn_implementation:
+            raise ModelLoadError(f"{name}'s architecture does not take a custom attention implementation "
+                                 "(transformers' attention interface), which PagedServe plugs into") from e
+        raise
     check_loading_info(path, info.get("missing_keys"), info.get("unexpected_keys"), info.get("mismatched_keys"))
     hf_model = hf_model.to(device).eval()
     tokenizer = None
