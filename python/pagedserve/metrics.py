@@ -6,6 +6,8 @@ alerts written for vLLM work unchanged. vLLM also labels by `engine` (its
 data-parallel index); PagedServe has one engine per server, so it omits it.
 
 Units: times in seconds, sizes in tokens, KV-cache usage as a fraction 0..1.
+The process collectors add process_resident_memory_bytes, process_cpu_seconds_total,
+process_open_fds and python_gc_* (prometheus_client's standard names).
 
 Each EngineMetrics owns its own CollectorRegistry (several engines may live in
 one process; the global REGISTRY is never touched). Thread safety:
@@ -18,7 +20,17 @@ from __future__ import annotations
 
 import threading
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 FINISHED_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
 
@@ -64,6 +76,11 @@ class EngineMetrics:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
+        # the process's own figures, under the standard names vLLM's /metrics carries too:
+        # process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, python_gc_*, python_info
+        ProcessCollector(registry=r)
+        GCCollector(registry=r)
+        PlatformCollector(registry=r)
 
         def gauge(name, doc):
             return Gauge(name, doc, L, registry=r).labels(model_name)

@@ -151,5 +151,6 @@ class AsyncLLMEngine:
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
+            outputs = out = None  # an idle engine thread pins nothing of the last step
         self._drain_inbox()
         self._fail_all(RuntimeError("engine shut down"))
