@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-cpp test-python install bench clean
+.PHONY: serve test test-cpp test-sanitize test-python install bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,11 +35,24 @@ test-cpp:
 	@echo "CPU kernel variants the C++ tests exercised:"
 	@cd build/cpp && ctest -R 'CpuIsa|emulated' -V 2>&1 | grep -F '[ isa ]' | sed 's/^[0-9]*: */  /'
 
+# The same C++ tests built with AddressSanitizer (+LeakSanitizer) and
+# UndefinedBehaviorSanitizer (CMake option PAGEDSERVE_SANITIZE): every memory
+# error, leak or UB report fails its test. Debug, as test-cpp: -O0 keeps every
+# access the source makes (the optimiser cannot drop a bad read before ASan sees
+# it) and assert() on; the kernel objects stay -O3. Without the qemu-user tests
+# (ASan cannot run under qemu-user); test-cpp runs those.
+SANITIZE_ASAN_OPTIONS  ?= detect_leaks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1
+SANITIZE_UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
+test-sanitize:
+	cmake -S . -B build/sanitize -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DPAGEDSERVE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake --build build/sanitize -j2
+	cd build/sanitize && ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=$(SANITIZE_UBSAN_OPTIONS) ctest --output-on-failure
+
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
 test-python: $(STAMP)
 	cd tests && ../$(PY) -m pytest python -q -rs
 
-test: test-cpp test-python
+test: test-cpp test-sanitize test-python
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -192,13 +192,14 @@ class LLMEngine:
         return sorted(ids)
 
     # ---- requests -------------------------------------------------------
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Prompt text -> token ids (token-id prompts pass through). Raises ValueError
-        for text without a tokenizer or ids outside the vocabulary."""
+    def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Prompt text -> token ids (token-id prompts pass through unchanged).
+        add_special_tokens: let the tokenizer add its BOS etc. around text.
+        Raises ValueError for text without a tokenizer or ids outside the vocabulary."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give prompts as token ids")
-            return self.tokenizer(prompt).input_ids
+            return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         ids = [int(t) for t in prompt]
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]

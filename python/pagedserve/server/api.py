@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
@@ -17,10 +19,14 @@ from ..engine.async_engine import AsyncLLMEngine
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
 from .protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
+    ChatCompletionResponse,
     CompletionRequest,
+    CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    ErrorResponse,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -30,6 +36,44 @@ from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+
+# What /openapi.json documents (schemathesis checks the server against it): every
+# error is an ErrorResponse; a streamed answer is text/event-stream.
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 503)}
+_SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _sse(chunk: type[BaseModel]) -> dict:
+    """OpenAPI content of a stream of `chunk`s as server-sent events, in the form
+    FastAPI's own SSE endpoints use (OpenAPI 3.2's itemSchema: one event): each
+    event's data is a chunk's JSON, the last one's `[DONE]`."""
+    data = {"type": "string", "if": {"const": "[DONE]"},
+            "else": {"contentMediaType": "application/json",
+                     "contentSchema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}}
+    return {"text/event-stream": {"itemSchema": {"type": "object", "required": ["data"],
+                                                 "properties": {"data": data}}}}
+
+
+def _answers(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
+    """OpenAPI responses of an endpoint answering `model` as JSON (or, when
+    streamed, `chunk`s as server-sent events), or one of the errors."""
+    return {200: {"model": model, "content": _sse(chunk)}, **_ERRORS}
+
+
+def _document_models(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Adds `models` (and the models they use) to the components of the app's
+    OpenAPI schema, for the streams' $refs: FastAPI adds only body models."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schemas = build().setdefault("components", {}).setdefault("schemas", {})
+            _, defs = models_json_schema([(m, "serialization") for m in models], ref_template=_SCHEMA_REF)
+            for name, schema in defs.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+        return app.openapi_schema
+
+    app.openapi = openapi
 
 
 def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
@@ -42,6 +86,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
         max_body_bytes: larger request bodies get 413.
     """
     app = FastAPI(title="PagedServe", version=__version__)
+    _document_models(app, ChatCompletionChunk)
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
@@ -56,25 +101,26 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def version():
         return {"version": __version__}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
     async def metrics():
         """Prometheus text format, vLLM's metric names (pagedserve.metrics)."""
         body, content_type = core.metrics.render()
         return Response(body, media_type=content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models():
         return ModelList(data=[ModelCard(id=core.model_name, max_model_len=core.max_model_len)])
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", response_model=None, responses=_answers(CompletionResponse, CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request):
         return await completion.create(req, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=None,
+              responses=_answers(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest):
         """Text (`prompt`) or chat `messages` -> token ids, as the endpoints would see them."""
         completion.check_model(req.model)
@@ -85,16 +131,16 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
         def encode() -> list[int]:
             if req.messages is not None:
-                return chat.render(req.messages, req.add_generation_prompt)
+                return chat.render(req.messages, req, bool(req.add_special_tokens))
             try:
-                return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens).input_ids
+                return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids
             except (ValueError, TypeError) as e:
                 raise APIError(400, f"cannot tokenize the prompt: {e}", param="prompt") from e
 
         ids = await run_in_threadpool(encode)  # off the event loop
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest):
         """Token ids -> text (special tokens kept)."""
         completion.check_model(req.model)

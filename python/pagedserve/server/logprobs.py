@@ -3,8 +3,10 @@ object (parallel lists tokens / token_logprobs / top_logprobs / text_offset)
 and chat's list of {token, logprob, bytes, top_logprobs}.
 
 Token strings are each token decoded on its own (a byte-level BPE piece that
-is part of a multi-byte character decodes to U+FFFD; `bytes` in chat is the
-UTF-8 of that string, as vLLM does)."""
+is part of a multi-byte character decodes to U+FFFD). `bytes` holds the raw
+bytes the token stands for (engine.token_bytes), so joining them gives the
+UTF-8 of the text: in chat per entry (OpenAI's field), in completions as a list
+parallel to `tokens` (an extension; OpenAI's legacy object has none)."""
 
 from __future__ import annotations
 
@@ -14,10 +16,11 @@ from ..engine.outputs import Logprob
 from .protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
 
 TokenText = Callable[[int], str]
+TokenBytes = Callable[[int], bytes]
 
 
 def completion_logprobs(entries: Sequence[Logprob | None], token_ids: Sequence[int], token_text: TokenText,
-                        text_offset: int = 0) -> CompletionLogprobs:
+                        token_bytes: TokenBytes, text_offset: int = 0) -> CompletionLogprobs:
     """Completions `logprobs` for tokens token_ids; entries[i] is token i's
     Logprob, None where nothing predicts it (the first prompt token with echo).
 
@@ -28,6 +31,7 @@ def completion_logprobs(entries: Sequence[Logprob | None], token_ids: Sequence[i
     for tok, entry in zip(token_ids, entries):
         text = token_text(tok)
         out.tokens.append(text)
+        out.bytes.append(list(token_bytes(tok)))
         out.text_offset.append(text_offset)
         text_offset += len(text)
         if entry is None:
@@ -41,11 +45,10 @@ def completion_logprobs(entries: Sequence[Logprob | None], token_ids: Sequence[i
     return out
 
 
-def chat_logprobs(entries: Sequence[Logprob], token_text: TokenText) -> ChatLogprobs:
+def chat_logprobs(entries: Sequence[Logprob], token_text: TokenText, token_bytes: TokenBytes) -> ChatLogprobs:
     """Chat `logprobs` ({"content": [...]}) of the output tokens in `entries`."""
     def top(token_id: int, logprob: float) -> ChatTopLogprob:
-        text = token_text(token_id)
-        return ChatTopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+        return ChatTopLogprob(token=token_text(token_id), logprob=logprob, bytes=list(token_bytes(token_id)))
 
     content = []
     for e in entries:

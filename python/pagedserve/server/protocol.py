@@ -1,31 +1,48 @@
-"""OpenAI API schemas (pydantic). Unknown fields are ignored, as OpenAI-compatible
-servers do; out-of-range values fail validation and become 400 errors."""
+"""OpenAI API schemas (pydantic). Out-of-range values fail validation and become
+400 errors. An explicit null means "as if absent" for every field (RequestBody).
+Fields of OpenAI's and vLLM's request surface that would change the answer are
+declared here so that the server can honour them or refuse them by name
+(serving.OpenAIServing.reject_unsupported); a field nobody declared is
+ignored, as vLLM and other OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+class RequestBody(BaseModel):
+    """Base of every request body (and of the objects inside one): an explicit
+    null is the same as leaving the field out, for every field (OpenAI marks
+    optional fields nullable and client libraries send explicit nulls). So
+    completions `max_tokens: null` is its default 16, as OpenAI documents."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_absent(cls, data):
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class StreamOptions(RequestBody):
     include_usage: bool = False  # one extra chunk with choices [] and the usage before [DONE]
 
 
-class _Request(BaseModel):
+class _Request(RequestBody):
     """Fields both endpoints share. Penalties and min_p follow vLLM's SamplingParams."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
+    max_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)  # None: as many as the context leaves
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
@@ -50,14 +67,50 @@ class _Request(BaseModel):
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    # vLLM extensions that would change the result, not implemented (400 when used):
+    parallel_tool_calls: bool | None = None  # harmless without tools
+    # OpenAI fields that do not change the text: accepted, unused
+    store: bool | None = None
+    metadata: dict | None = None
+    service_tier: str | None = None
+    # vLLM extensions that would change the result (or, priority, the order of
+    # service) and are not implemented: accepted only with the value that means
+    # "off", else a 400 names them (UNIMPLEMENTED)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     guided_json: str | dict | None = None
     guided_regex: str | None = None
     guided_choice: list | None = None
     guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
     structured_outputs: dict | None = None
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    logits_processors: list | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool = True
+    return_tokens_as_token_ids: bool = False
+    priority: int = 0
+    vllm_xargs: dict | None = None
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
+        "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
+        "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
+        "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+        "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",
+        "priority", "vllm_xargs")
+
+    def unimplemented_in_use(self) -> str | None:
+        """The first UNIMPLEMENTED field set to something other than its default
+        (an empty list or object counts as unset), or None."""
+        for name in self.UNIMPLEMENTED:
+            value, default = getattr(self, name), type(self).model_fields[name].default
+            if value != default and not (default is None and value in ([], {}, "")):
+                return name
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -74,18 +127,29 @@ class CompletionRequest(_Request):
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
     best_of: int | None = Field(default=None, ge=1)
     suffix: str | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = _Request.UNIMPLEMENTED + ("suffix",)
 
 
-class ChatContentPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatContentPart(RequestBody):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class ChatMessage(RequestBody):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ChatContentPart] | None = None  # None: an assistant turn without text
+    name: str | None = None  # given to the chat template (most templates do not show it)
+    tool_calls: list | None = None  # refused when non-empty: this server has no tool calling
+    tool_call_id: str | None = None
+
+    def template_dict(self) -> dict[str, str]:
+        """The message as the chat template sees it: role, content text, name if given."""
+        out = {"role": self.template_role, "content": self.text()}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if self.content is None:
@@ -101,13 +165,38 @@ class ChatMessage(BaseModel):
         return "system" if self.role == "developer" else self.role
 
 
-class ChatCompletionRequest(_Request):
+class ChatTemplateFields(RequestBody):
+    """How the chat template renders `messages` (vLLM's chat extensions, passed
+    to transformers' apply_chat_template). A template variable the model's
+    template does not read is refused by name, never ignored."""
+
+    add_generation_prompt: bool = True  # open an assistant turn after the messages
+    continue_final_message: bool = False  # leave the final (assistant) message open and continue its text
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
+    documents: list[dict[str, str]] | None = None  # for templates that take retrieval documents
+    reasoning_effort: str | None = None  # a template variable of reasoning models' templates
+
+
+class ChatCompletionRequest(_Request, ChatTemplateFields):
     """POST /v1/chat/completions body."""
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1, le=2**31 - 1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    add_special_tokens: bool = False  # vLLM: tokenizer's BOS etc. around the rendered text (the template has them)
+    # not implemented (400 when set): a template from the request (vLLM needs a trust
+    # flag for it), vLLM's echo of the final message, audio and web search
+    chat_template: str | None = None
+    echo: bool = False
+    audio: dict | None = None
+    web_search_options: dict | None = None
+    verbosity: str | None = None
+    modalities: list[Literal["text"]] | None = None  # only text output
+    prediction: dict | None = None  # predicted outputs only make OpenAI faster: accepted, unused
+
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = _Request.UNIMPLEMENTED + (
+        "chat_template", "echo", "audio", "web_search_options", "verbosity")
 
 
 class PromptTokensDetails(BaseModel):
@@ -127,6 +216,7 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
+    bytes: list[list[int]] = Field(default_factory=list)  # per token, raw bytes (extension; joined: the UTF-8)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
@@ -199,15 +289,12 @@ class ChatCompletionChunk(BaseModel):
     usage: UsageInfo | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(ChatTemplateFields):
     """POST /tokenize: `prompt` text, or chat `messages` rendered by the chat template."""
-
-    model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (as the endpoints)
 
 
 class TokenizeResponse(BaseModel):
@@ -216,8 +303,7 @@ class TokenizeResponse(BaseModel):
     tokens: list[int]
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]
 

@@ -16,6 +16,7 @@ from fastapi import Request
 
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.outputs import RequestOutput
+from ..engine.token_bytes import TokenBytes
 from ..sampling_params import SamplingParams
 from .errors import APIError, ClientDisconnected
 from .protocol import PromptTokensDetails, UsageInfo, _Request
@@ -74,6 +75,8 @@ class OpenAIServing:
         self.engine = engine
         self.core = engine.engine
         self.model_name = self.core.model_name
+        tok = self.core.tokenizer
+        self.token_bytes = TokenBytes(tok) if tok is not None else (lambda token_id: str(token_id).encode())
 
     # ---- request checks ---------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -99,15 +102,9 @@ class OpenAIServing:
             refuse("function_call")
         if req.response_format and req.response_format.get("type", "text") != "text":
             refuse("response_format", "other than {\"type\": \"text\"} is not supported by this server")
-        if req.logit_bias:
-            refuse("logit_bias")
-        if req.min_tokens:
-            refuse("min_tokens")
-        if req.include_stop_str_in_output:
-            refuse("include_stop_str_in_output")
-        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs"):
-            if getattr(req, name) is not None:
-                refuse(name)
+        name = req.unimplemented_in_use()
+        if name is not None:
+            refuse(name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
 
@@ -131,14 +128,14 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    def tokenize(self, prompt: str | list[int], param: str = "prompt") -> list[int]:
+    def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Prompt text or token ids -> token ids. Raises APIError 400 when empty or
         invalid (the tokenizer raises TypeError on text that is not valid Unicode,
         e.g. a lone surrogate)."""
         if not prompt:  # "" or []
             raise APIError(400, "the prompt is empty", param=param)
         try:
-            return self.core.tokenize(prompt)
+            return self.core.tokenize(prompt, add_special_tokens)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"cannot tokenize the prompt: {e}", param=param) from e
 

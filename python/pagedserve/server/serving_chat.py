@@ -3,8 +3,11 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import AsyncIterator
 
+import jinja2
+import jinja2.meta
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -18,39 +21,111 @@ from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatLogprobs,
     ChatMessage,
     ChatResponseMessage,
+    ChatTemplateFields,
     random_id,
 )
 from .serving import SSE_DONE, OpenAIServing, sse, usage_of
 
 
+# apply_chat_template's own arguments and what the server passes itself
+RESERVED_TEMPLATE_ARGS = frozenset({
+    "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "return_dict", "return_tensors", "padding", "truncation", "max_length",
+    "tokenizer_kwargs", "return_assistant_tokens_mask", "sanitize_control_tokens", "reasoning_effort"})
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """Names a Jinja chat template reads from its context (jinja2.meta)."""
+    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+
+
 class OpenAIServingChat(OpenAIServing):
     """Answers ChatCompletionRequests."""
 
-    def render(self, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-        """Messages -> prompt token ids through the tokenizer's chat template.
-        Raises APIError 400 when empty or when the model has no chat template."""
+    def render(self, messages: list[ChatMessage], template: ChatTemplateFields,
+               add_special_tokens: bool = False) -> list[int]:
+        """Messages -> prompt token ids through the tokenizer's chat template
+        (transformers' apply_chat_template), with the request's template fields.
+
+        Raises:
+            APIError 400: empty messages, no chat template, a message this server
+                cannot render (tool calls), continue_final_message with
+                add_generation_prompt or without a final assistant message, a
+                template variable the model's template does not read (named).
+        """
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         tok = self.core.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise APIError(400, "this model has no chat template; use /v1/completions")
-        if any(m.content is None and m.role != "assistant" for m in messages):
-            raise APIError(400, "only assistant messages may have no content", param="messages")
+        for i, m in enumerate(messages):
+            if m.content is None and m.role != "assistant":
+                raise APIError(400, "only assistant messages may have no content", param=f"messages.{i}.content")
+            if m.tool_calls or m.tool_call_id is not None:
+                param = "tool_calls" if m.tool_calls else "tool_call_id"
+                raise APIError(400, f"`{param}` is not supported by this server (no tool calling)",
+                               param=f"messages.{i}.{param}", code="unsupported_parameter")
+        if template.continue_final_message:
+            if template.add_generation_prompt:
+                raise APIError(400, "`continue_final_message` cannot be combined with `add_generation_prompt: true` "
+                                    "(one continues the final message, the other opens a new turn)",
+                               param="continue_final_message")
+            if messages[-1].role != "assistant" or not messages[-1].text():
+                raise APIError(400, "`continue_final_message` needs a final assistant message with text to continue",
+                               param="continue_final_message")
+        extra = self._template_variables(tok, template)
         try:
-            text = tok.apply_chat_template([{"role": m.template_role, "content": m.text()} for m in messages],
-                                           tokenize=False, add_generation_prompt=add_generation_prompt)
-            return tok(text, add_special_tokens=False).input_ids
+            text = tok.apply_chat_template(
+                [m.template_dict() for m in messages], documents=template.documents or None, tokenize=False,
+                add_generation_prompt=template.add_generation_prompt,
+                continue_final_message=template.continue_final_message, **extra)
+            return tok(text, add_special_tokens=add_special_tokens).input_ids
         except (ValueError, TypeError) as e:  # e.g. text that is not valid Unicode (a lone surrogate)
             raise APIError(400, f"cannot render the messages: {e}", param="messages") from e
+        except jinja2.TemplateError as e:  # the template's own raise_exception (e.g. roles it refuses)
+            raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
+
+    def _logprobs(self, entries) -> ChatLogprobs:
+        return chat_logprobs(entries, self.token_text, self.token_bytes)
+
+    @staticmethod
+    def _template_variables(tok, template: ChatTemplateFields) -> dict:
+        """The extra variables for apply_chat_template (chat_template_kwargs and
+        reasoning_effort). Raises APIError 400 naming one the model's template
+        does not read, or one that is apply_chat_template's own argument."""
+        extra = dict(template.chat_template_kwargs or {})
+        if template.reasoning_effort is not None:
+            extra["reasoning_effort"] = template.reasoning_effort
+        asked = [(name, f"chat_template_kwargs.{name}") for name in template.chat_template_kwargs or {}]
+        asked += [("reasoning_effort", "reasoning_effort")] * (template.reasoning_effort is not None)
+        asked += [("documents", "documents")] * bool(template.documents)
+        if not asked:
+            return extra
+        source = tok.chat_template
+        if isinstance(source, dict):  # named templates: the one used without tools
+            source = source.get("default", "")
+        try:
+            variables = template_variables(source)
+        except jinja2.TemplateError as e:
+            raise APIError(400, f"this model's chat template cannot be parsed: {e}", param="messages") from e
+        for name, param in asked:
+            if param.startswith("chat_template_kwargs.") and name in RESERVED_TEMPLATE_ARGS:
+                raise APIError(400, f"`{param}` is set by the server; use the request field", param=param)
+            if name not in variables:
+                raise APIError(400, f"this model's chat template does not use `{name}`", param=param,
+                               code="unsupported_parameter")
+        return extra
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
         self.reject_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        ids = await run_in_threadpool(self.render, req.messages)  # off the event loop
+        ids = await run_in_threadpool(self.render, req.messages, req, req.add_special_tokens)  # off the event loop
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs)
         request_id = random_id("chatcmpl")
@@ -60,7 +135,7 @@ class OpenAIServingChat(OpenAIServing):
             def response() -> ChatCompletionResponse:
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]), choices=[
                     ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                               logprobs=chat_logprobs(c.logprobs, self.token_text) if req.logprobs else None,
+                               logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
                                finish_reason=c.finish_reason) for c in out.outputs])
 
             return await run_in_threadpool(response) if req.logprobs else response()
@@ -85,7 +160,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if c.index in done:
                         continue
-                    lp = chat_logprobs(c.delta_logprobs, self.token_text) if req.logprobs and c.delta_token_ids else None
+                    lp = self._logprobs(c.delta_logprobs) if req.logprobs and c.delta_token_ids else None
                     if c.delta_text or lp:
                         yield chunk(c.index, {"content": c.delta_text}, logprobs=lp)
                     if c.finish_reason:

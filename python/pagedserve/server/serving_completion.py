@@ -20,25 +20,22 @@ class OpenAIServingCompletion(OpenAIServing):
     """Answers CompletionRequests. Choice index = prompt index * n + choice
     index within that prompt, as OpenAI numbers them."""
 
-    def prompts(self, prompt) -> list[list[int]]:
+    def prompts(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
         """The request's prompts as token-id lists. Raises APIError 400 (param
         "prompt") on an empty or invalid one."""
         if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [self.tokenize(prompt)]
-        return [self.tokenize(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+            return [self.tokenize(prompt, add_special_tokens=add_special_tokens)]
+        return [self.tokenize(p, f"prompt[{i}]", add_special_tokens) for i, p in enumerate(prompt)]
 
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         self.reject_unsupported(req)
-        if req.suffix:
-            raise APIError(400, "`suffix` is not supported by this server", param="suffix",
-                           code="unsupported_parameter")
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, f"`best_of` ({req.best_of}) above n ({req.n}) is not supported by this server",
                            param="best_of", code="unsupported_parameter")
         # tokenizing (and below, building a large logprobs response) runs on a worker
         # thread: the event loop keeps streaming other requests and noticing disconnects
-        prompts = await run_in_threadpool(self.prompts, req.prompt)
+        prompts = await run_in_threadpool(self.prompts, req.prompt, req.add_special_tokens)
         prompt_logprobs = req.logprobs if req.echo else None
         params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
                                        prompt_logprobs=prompt_logprobs) for p in prompts]
@@ -68,7 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             entries, ids = list(c.logprobs or []), list(c.token_ids)
             if req.echo:
                 entries, ids = list(out.prompt_logprobs or []) + entries, list(out.prompt_token_ids) + ids
-            logprobs = completion_logprobs(entries, ids, self.token_text)
+            logprobs = completion_logprobs(entries, ids, self.token_text, self.token_bytes)
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason)
 
     async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
@@ -89,7 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         index = i * req.n + c.index
                         lp = None
                         if req.logprobs is not None:
-                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, self.token_text)
+                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, self.token_text,
+                                                             self.token_bytes)
                             offsets[index] = sum(len(t) for t in lp.tokens)
                         yield chunk(index, self._prompt_text(out), lp)
             async for i, out in outputs:
@@ -101,7 +99,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     lp = None
                     if req.logprobs is not None and c.delta_token_ids:
                         lp = completion_logprobs(c.delta_logprobs or [], c.delta_token_ids, self.token_text,
-                                                 offsets.get(index, 0))
+                                                 self.token_bytes, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
                     if not (c.delta_text or c.finish_reason or lp):
                         continue
