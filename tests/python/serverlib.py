@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
@@ -21,24 +22,40 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(*args: str, env: dict | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts the server with extra CLI args; returns (process, base URL) once /health answers."""
+def start_server(*args: str, env: dict | None = None, log: str | None = None,
+                 ready_path: str = "/health") -> tuple[subprocess.Popen, str]:
+    """Starts the server with extra CLI args; returns (process, base URL) once
+    `ready_path` answers 200. Its output goes to the file `log` (a temporary
+    file when None; never an unread pipe, which would stall a chatty server),
+    and the end of it is in the error when the server dies while starting."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "--port", str(port), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    if log is None:
+        log = tempfile.mkstemp(prefix="pagedserve-server-", suffix=".log")[1]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "--port", str(port), *args],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    proc.log = log
     base = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
     while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server died:\n" + proc.stdout.read().decode())
+        if (why := exit_report(proc)) is not None:
+            raise RuntimeError(f"server died while starting: {why}")
         try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
+            if httpx.get(base + ready_path, timeout=1).status_code == 200:
                 return proc, base
         except httpx.HTTPError:
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def exit_report(proc: subprocess.Popen) -> str | None:
+    """None while a server from start_server runs, else its exit status and the end of its output."""
+    if proc.poll() is None:
+        return None
+    with open(proc.log, errors="replace") as f:
+        return f"exit status {proc.returncode}; the end of its output:\n" + "".join(f.readlines()[-60:])
 
 
 def stop_server(proc: subprocess.Popen) -> None:

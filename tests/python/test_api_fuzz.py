@@ -40,8 +40,6 @@ import dataclasses
 import json
 import os
 import subprocess
-import sys
-import time
 import zlib
 
 import httpx
@@ -58,6 +56,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from pagedserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from serverlib import exit_report, start_server, stop_server
 
 EXAMPLES = int(os.environ.get("PAGEDSERVE_FUZZ_EXAMPLES", "25"))
 SEED = os.environ.get("PAGEDSERVE_FUZZ_SEED")  # other examples than the derandomized ones
@@ -72,7 +71,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 # Parameters the server refuses by name when set (400): dropped from steered bodies.
 REFUSED = (set(CompletionRequest.UNIMPLEMENTED) | set(ChatCompletionRequest.UNIMPLEMENTED)
-           | {"tools", "functions", "tool_choice", "function_call", "response_format", "best_of",
+           | {"tool_choice", "function_call", "response_format", "best_of",
               "chat_template_kwargs", "documents", "reasoning_effort", "continue_final_message"})
 
 
@@ -100,45 +99,25 @@ class FuzzServer:
     base: str
     model: str  # the served model's name
     vocab: int
-    proc: subprocess.Popen
-    log: str  # the server's output
+    proc: subprocess.Popen  # from serverlib.start_server (its output in a file)
 
     def died(self) -> str | None:
         """None while the server runs, else its exit status and the end of its output."""
-        if self.proc.poll() is None:
-            return None
-        with open(self.log, errors="replace") as f:
-            return f"exit status {self.proc.returncode}; the end of its output:\n" + "".join(f.readlines()[-60:])
+        return exit_report(self.proc)
 
 
 @pytest.fixture(scope="module")
 def fuzz_server(tiny_chat_model_dir, tmp_path_factory):
     """The server (its output goes to a file, shown if it dies)."""
-    from serverlib import free_port, stop_server
-
-    port, log = free_port(), str(tmp_path_factory.mktemp("fuzz_server") / "server.log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "--port", str(port),
-                                 "--model", tiny_chat_model_dir, "--dtype", "float32",
-                                 "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning"],
-                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    server = FuzzServer(f"http://127.0.0.1:{port}", "", 0, proc, log)
+    log = str(tmp_path_factory.mktemp("fuzz_server") / "server.log")
+    proc, base = start_server("--model", tiny_chat_model_dir, "--dtype", "float32",
+                              "--max-model-len", str(MAX_MODEL_LEN), "--log-level", "warning",
+                              log=log, ready_path="/v1/models")
     try:
-        deadline = time.time() + 180
-        while True:
-            if (why := server.died()) is not None:
-                raise RuntimeError(f"the server died while starting: {why}")
-            try:
-                models = httpx.get(server.base + "/v1/models", timeout=1).json()
-                break
-            except httpx.HTTPError:
-                if time.time() > deadline:
-                    raise RuntimeError("the server did not start") from None
-                time.sleep(0.5)
-        server.model = models["data"][0]["id"]
+        model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
         with open(os.path.join(tiny_chat_model_dir, "config.json")) as f:
-            server.vocab = json.load(f)["vocab_size"]
-        yield server
+            vocab = json.load(f)["vocab_size"]
+        yield FuzzServer(base, model, vocab, proc)
     finally:
         stop_server(proc)
 

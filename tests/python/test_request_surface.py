@@ -34,10 +34,11 @@ HONOURED = {
 }
 # accepted because they cannot change the text (or are refused in the cases where they would)
 HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
-            "response_format", "tools", "tool_choice", "functions", "function_call"}
+            "response_format", "tool_choice", "function_call"}
 # a value that turns each refused field on
 TURNED_ON = {
-    "logit_bias": {"42": 5}, "min_tokens": 3, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
+    "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+    "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"42": 5}, "min_tokens": 3, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
     "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a"},
     "use_beam_search": True, "length_penalty": 0.5, "allowed_token_ids": [1, 2], "bad_words": ["red"],

@@ -57,7 +57,7 @@ class OneDNNLinear(torch.nn.Module):
         m = x2.shape[0]
         rows = padded_rows(m)
         if rows != m:
-            x2 = torch.cat([x2, x2.new_zeros(rows - m, self.in_features)])
+            x2 = torch.nn.functional.pad(x2, (0, 0, 0, rows - m))  # zero rows below, one allocation
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "none", [], "")
         return y[:m].reshape(*lead, self.out_features)
 

@@ -60,7 +60,10 @@ class _Request(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    # Accepted only when they would not change the result (else a 400 names them):
+    # Accepted only when they would not change the result, else a 400 names them:
+    # tools, functions and logit_bias through UNIMPLEMENTED; tool_choice,
+    # function_call and response_format, with several harmless values, in
+    # serving.OpenAIServing.reject_unsupported
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
     tools: list | None = None
@@ -97,7 +100,7 @@ class _Request(RequestBody):
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
+        "tools", "functions", "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
         "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
         "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
         "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",

@@ -92,10 +92,6 @@ class OpenAIServing:
         def refuse(param: str, why: str = "is not supported by this server"):
             raise APIError(400, f"`{param}` {why}", param=param, code="unsupported_parameter")
 
-        if req.tools:
-            refuse("tools")
-        if req.functions:
-            refuse("functions")
         if req.tool_choice not in (None, "none", "auto"):
             refuse("tool_choice")
         if req.function_call not in (None, "none", "auto"):

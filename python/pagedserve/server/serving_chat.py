@@ -77,7 +77,7 @@ class OpenAIServingChat(OpenAIServing):
             if messages[-1].role != "assistant" or not messages[-1].text():
                 raise APIError(400, "`continue_final_message` needs a final assistant message with text to continue",
                                param="continue_final_message")
-        extra = self._template_variables(tok, template)
+        extra = self._template_extras(tok, template)
         try:
             text = tok.apply_chat_template(
                 [m.template_dict() for m in messages], documents=template.documents or None, tokenize=False,
@@ -93,16 +93,18 @@ class OpenAIServingChat(OpenAIServing):
         return chat_logprobs(entries, self.token_text, self.token_bytes)
 
     @staticmethod
-    def _template_variables(tok, template: ChatTemplateFields) -> dict:
-        """The extra variables for apply_chat_template (chat_template_kwargs and
-        reasoning_effort). Raises APIError 400 naming one the model's template
-        does not read, or one that is apply_chat_template's own argument."""
+    def _template_extras(tok, template: ChatTemplateFields) -> dict:
+        """The extra variables for apply_chat_template: chat_template_kwargs and
+        reasoning_effort. Raises APIError 400 naming a kwarg that is
+        apply_chat_template's own argument, or a variable (documents included)
+        the model's template does not read."""
         extra = dict(template.chat_template_kwargs or {})
+        asked = {f"chat_template_kwargs.{name}": name for name in extra}  # param -> template variable
         if template.reasoning_effort is not None:
             extra["reasoning_effort"] = template.reasoning_effort
-        asked = [(name, f"chat_template_kwargs.{name}") for name in template.chat_template_kwargs or {}]
-        asked += [("reasoning_effort", "reasoning_effort")] * (template.reasoning_effort is not None)
-        asked += [("documents", "documents")] * bool(template.documents)
+            asked["reasoning_effort"] = "reasoning_effort"
+        if template.documents:
+            asked["documents"] = "documents"
         if not asked:
             return extra
         source = tok.chat_template
@@ -112,7 +114,7 @@ class OpenAIServingChat(OpenAIServing):
             variables = template_variables(source)
         except jinja2.TemplateError as e:
             raise APIError(400, f"this model's chat template cannot be parsed: {e}", param="messages") from e
-        for name, param in asked:
+        for param, name in asked.items():
             if param.startswith("chat_template_kwargs.") and name in RESERVED_TEMPLATE_ARGS:
                 raise APIError(400, f"`{param}` is set by the server; use the request field", param=param)
             if name not in variables:

@@ -86,8 +86,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         index = i * req.n + c.index
                         lp = None
                         if req.logprobs is not None:
-                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids, self.token_text,
-                                                             self.token_bytes)
+                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids,
+                                                     self.token_text, self.token_bytes)
                             offsets[index] = sum(len(t) for t in lp.tokens)
                         yield chunk(index, self._prompt_text(out), lp)
             async for i, out in outputs:
