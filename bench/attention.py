@@ -15,7 +15,10 @@ in a fresh process (measured, 4 KiB page resolution: the kernel's peak-RSS mark
 is reset to the current RSS just before the call through /proc/self/clear_refs;
 inputs are allocated and touched before).
 
-    python bench/attention.py [--batch 16] [--heads 12] [--seq-lens 128 512 2048]
+    python bench/attention.py [--batch 16] [--heads 12] [--seq-lens 128 512 2048] [--plot PATH]
+
+--plot PATH also writes the table as a PNG figure (needs matplotlib, the
+``bench`` extra): latency and peak temporary memory vs S, one line per method.
 """
 
 from __future__ import annotations
@@ -133,6 +136,31 @@ def worker(method: str, b: int, h: int, s: int, repeats: int) -> dict:
             "peak_mem_bytes": grown, "checksum": float(out.double().sum())}
 
 
+def plot(results: list[dict], path: str, title: str = "") -> str:
+    """Writes a two-panel PNG to path and returns path. Left: one layer's decode
+    attention latency (median, ms) vs S; right: peak temporary memory of the first
+    call (peak RSS growth, MiB) vs S; one line per method, x axis log2 S, y axes log.
+    A growth below the 4 KiB measurement resolution (often 0) is drawn at 4 KiB.
+    results: the rows of :func:`worker` (method, seq_len, median_ms, peak_mem_bytes)."""
+    from pagedserve.experiments import plots
+
+    seq_lens = sorted({r["seq_len"] for r in results})
+    by = {(r["method"], r["seq_len"]): r for r in results}
+    names = list(dict.fromkeys(r["method"] for r in results))
+    fig, (lat, mem) = plots.new_figure(ncols=2)
+    plots.draw_lines(lat, seq_lens, {m: [by[(m, s)]["median_ms"] for s in seq_lens] for m in names},
+                     xlabel="S (tokens per sequence)", ylabel="latency per layer (ms, median)",
+                     title="latency", logx=True, logy=True)
+    plots.draw_lines(mem, seq_lens,
+                     {m: [max(by[(m, s)]["peak_mem_bytes"], 4096) / 2**20 for s in seq_lens] for m in names},
+                     xlabel="S (tokens per sequence)", ylabel="peak temporary memory (MiB; floor 4 KiB)",
+                     title="scratch memory", logx=True, logy=True)
+    for ax in (lat, mem):
+        ax.set_xticks(seq_lens, labels=[str(s) for s in seq_lens])
+        ax.minorticks_off()
+    return plots.save(fig, path, suptitle=title)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=16)
@@ -140,6 +168,7 @@ def main() -> None:
     ap.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--methods", nargs="+", default=None, help="subset of: gather and the backends here")
+    ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -174,6 +203,9 @@ def main() -> None:
         assert max(sums.values()) - min(sums.values()) < 1e-2 * max(1.0, abs(sums[chosen[0]])), sums
     print(f"\nC++ kernel scratch per worker thread (its own accounting): "
           f"{cpu.scratch_bytes(args.heads, args.heads, 64, 16)} bytes, the same at every S")
+    if args.plot:
+        plot(list(rows.values()), args.plot, title=f"decode attention, B={args.batch}, H={args.heads}, D=64, "
+             f"float32, {torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ median / p90 and total time of each mode, the ratio, and checks that both
 modes produced the same tokens.
 
     python bench/prefix_cache.py [--num-requests 32] [--system-len 1024] [--question-len 32] [--output-len 16]
+                                 [--plot PATH]
+
+--plot PATH also writes the table as a PNG figure (needs matplotlib, the
+``bench`` extra): TTFT median / p90 and total time, caching off vs on.
 """
 
 from __future__ import annotations
@@ -45,6 +49,26 @@ def p90(xs: list[float]) -> float:
     return statistics.quantiles(xs, n=10)[-1]
 
 
+def plot(results: dict[str, tuple[list[float], float, list[list[int]], int]], path: str, title: str = "") -> str:
+    """Writes a two-panel bar PNG to path and returns path. Left: time to first
+    token, median and p90 (ms), prefix caching off vs on; right: total time of all
+    requests (s). results: mode ("off" / "on") -> the tuple :func:`run` returns."""
+    from pagedserve.experiments import plots
+
+    modes = [m for m in ("off", "on") if m in results]
+    fig, (ttft_ax, total_ax) = plots.new_figure(ncols=2)
+    plots.draw_bars(ttft_ax, ["TTFT median", "TTFT p90"],
+                    {f"caching {m}": [statistics.median(results[m][0]) * 1e3, p90(results[m][0]) * 1e3]
+                     for m in modes}, ylabel="time to first token (ms)", title="TTFT (lower is better)")
+    plots.label_bars(ttft_ax, "{:.1f}")
+    plots.draw_bars(total_ax, ["all requests"], {f"caching {m}": [results[m][1]] for m in modes},
+                    ylabel="total time (s)", title="total time (lower is better)")
+    plots.label_bars(total_ax, "{:.2f}")
+    for ax in (ttft_ax, total_ax):
+        plots.legend_below(ax, ncols=len(modes))
+    return plots.save(fig, path, suptitle=title)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -53,6 +77,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
 
     g = torch.Generator().manual_seed(0)
@@ -86,6 +111,9 @@ def main() -> None:
     print(f"\nmedian TTFT with caching / without: {ratio:.3f} (target <= 0.15)")
     same = sum(a == b for a, b in zip(results["on"][2], results["off"][2]))
     print(f"identical outputs with and without caching: {same}/{args.num_requests}")
+    if args.plot:
+        plot(results, args.plot, title=f"{args.num_requests} requests one at a time: {args.system_len}-token shared "
+             f"prefix + {args.question_len}-token question, {str(on.engine.dtype).removeprefix('torch.')}")
 
 
 if __name__ == "__main__":

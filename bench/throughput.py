@@ -6,7 +6,10 @@ short untimed warm-up. Prints tokens/s of each and the ratios, and how many
 PagedServe outputs equal static batching's (float32 rounding differs between a
 padded batch and a packed one, so a near-tie can flip a token).
 
-    python bench/throughput.py [--num-requests 32] [--prompt-len 64] [--output-len 64]
+    python bench/throughput.py [--num-requests 32] [--prompt-len 64] [--output-len 64] [--plot PATH]
+
+--plot PATH also writes the table as a PNG figure (needs matplotlib, the
+``bench`` extra): output tokens/s and wall time per system.
 """
 
 from __future__ import annotations
@@ -22,6 +25,27 @@ from pagedserve.baseline.hf_generate import generate_sequential, generate_static
 from pagedserve.kernels import backend_names
 
 
+def plot(results: list[tuple[str, float, float]], path: str, title: str = "") -> str:
+    """Writes a two-panel bar PNG to path and returns path. Left: output tokens/s
+    of each system, labelled with its ratio to static batching where that ran;
+    right: wall time of the timed run (s). results: (system, seconds, tokens/s) rows."""
+    from pagedserve.experiments import plots
+
+    names = [n.replace(", ", ",\n") for n, _, _ in results]
+    base = next((tps for n, _, tps in results if "static" in n), None)
+    fig, (tps_ax, time_ax) = plots.new_figure(ncols=2)
+    plots.draw_bars(tps_ax, names, {"output tokens/s": [tps for _, _, tps in results]}, ylabel="output tokens/s",
+                    title="throughput (higher is better)")
+    plots.label_bars(tps_ax, (lambda v: f"{v:.1f} ({v / base:.2f}x)") if base else "{:.1f}")
+    plots.draw_bars(time_ax, names, {"wall time": [dt for _, dt, _ in results]}, ylabel="time (s)",
+                    title="wall time (lower is better)")
+    plots.label_bars(time_ax, "{:.2f}")
+    for ax in (tps_ax, time_ax):
+        ax.tick_params(axis="x", labelsize="small")
+        ax.get_legend().remove()  # one series: the panel title says what it is
+    return plots.save(fig, path, suptitle=title)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=32)
@@ -31,6 +55,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
     ap.add_argument("--no-onednn-linear", action="store_true", help="PagedServe with torch's default GEMMs")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
+    ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
 
     llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
@@ -74,6 +99,9 @@ def main() -> None:
     for name, dt, tps in rows:
         print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
     print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")
+    if args.plot:
+        plot(rows, args.plot, title=f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} "
+             f"output) tokens, greedy, float32, {torch.get_num_threads()} threads")
 
 
 if __name__ == "__main__":

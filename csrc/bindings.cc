@@ -221,17 +221,31 @@ PYBIND11_MODULE(_core, m) {
 
   const SchedulerConfig defaults;  // the project's defaults live in the C++ struct
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
-      .def(py::init([](int32_t seqs, int32_t tokens, int32_t len, bool prefix) {
-             return SchedulerConfig{seqs, tokens, len, prefix};
+      .def(py::init([](int32_t seqs, int32_t tokens, int32_t len, bool prefix, const std::string& policy,
+                       double watermark, double high_watermark) {
+             return SchedulerConfig{seqs, tokens, len, prefix, parse_scheduling_policy(policy), watermark,
+                                    high_watermark};
            }),
            py::arg("max_num_seqs") = defaults.max_num_seqs,
            py::arg("max_num_batched_tokens") = defaults.max_num_batched_tokens,
            py::arg("max_model_len") = defaults.max_model_len,
-           py::arg("enable_prefix_caching") = defaults.enable_prefix_caching)
+           py::arg("enable_prefix_caching") = defaults.enable_prefix_caching,
+           py::arg("policy") = scheduling_policy_name(defaults.policy),
+           py::arg("watermark") = defaults.watermark,
+           py::arg("high_watermark") = defaults.high_watermark)
       .def_readwrite("enable_prefix_caching", &SchedulerConfig::enable_prefix_caching)
       .def_readwrite("max_num_seqs", &SchedulerConfig::max_num_seqs)
       .def_readwrite("max_num_batched_tokens", &SchedulerConfig::max_num_batched_tokens)
-      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len);
+      .def_readwrite("max_model_len", &SchedulerConfig::max_model_len)
+      .def_property(
+          "policy", [](const SchedulerConfig& c) { return std::string(scheduling_policy_name(c.policy)); },
+          [](SchedulerConfig& c, const std::string& name) { c.policy = parse_scheduling_policy(name); },
+          "'fcfs', 'priority' or 'memory-aware' (scheduling_policy.h)")
+      .def_readwrite("watermark", &SchedulerConfig::watermark)
+      .def_readwrite("high_watermark", &SchedulerConfig::high_watermark);
+  m.attr("SCHEDULING_POLICIES") = py::make_tuple(scheduling_policy_name(SchedulingPolicy::kFcfs),
+                                                 scheduling_policy_name(SchedulingPolicy::kPriority),
+                                                 scheduling_policy_name(SchedulingPolicy::kMemoryAware));
 
   py::class_<PrefixCacheStats>(m, "PrefixCacheStats")
       .def_readonly("queries", &PrefixCacheStats::queries)
@@ -302,7 +316,7 @@ PYBIND11_MODULE(_core, m) {
            py::arg("num_blocks"), py::arg("block_size"))
       .def("add_request", &Scheduler::add_request, py::arg("request_id"),
            py::arg("prompt_token_ids"), py::arg("stop"), py::arg("cache_salt") = "", py::arg("n_seqs") = 1,
-           py::arg("skip_reading_prefix_cache") = false)
+           py::arg("skip_reading_prefix_cache") = false, py::arg("priority") = 0)
       .def("finish_sequence", &Scheduler::finish_sequence, py::arg("request_id"), py::arg("index"),
            py::arg("reason"))
       .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)
@@ -314,6 +328,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def_property_readonly("mean_output_tokens", &Scheduler::mean_output_tokens)
       .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"), py::arg("index") = 0)
       .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
                              py::return_value_policy::reference_internal)

@@ -1,5 +1,6 @@
 #include "kv_cache_manager.h"
 
+#include <algorithm>
 #include <string>
 
 #include "errors.h"
@@ -37,11 +38,21 @@ PrefixMatch KVCacheManager::match_prefix(const std::vector<int32_t>& tokens, con
   return m;
 }
 
-bool KVCacheManager::can_allocate(int32_t num_tokens, const PrefixMatch& match) const {
+int32_t KVCacheManager::num_blocks_to_allocate(int32_t num_tokens, const PrefixMatch& match) const {
   int32_t revived = 0;  // cached blocks sitting in the evictable list: reviving them uses them up
   for (int32_t b : match.block_ids) revived += pool_.is_evictable(b) ? 1 : 0;
   const int32_t fresh = BlockTable::num_blocks_for(num_tokens, block_size_) - static_cast<int32_t>(match.block_ids.size());
-  return fresh + revived <= num_free_blocks();
+  return std::max(fresh, 0) + revived;
+}
+
+bool KVCacheManager::can_allocate(int32_t num_tokens, const PrefixMatch& match) const {
+  return num_blocks_to_allocate(num_tokens, match) <= num_free_blocks();
+}
+
+int32_t KVCacheManager::num_exclusive_blocks(int64_t seq_id) const {
+  int32_t n = 0;
+  for (int32_t b : entry(seq_id).table.block_ids()) n += pool_.refcount(b) == 1 ? 1 : 0;
+  return n;
 }
 
 void KVCacheManager::allocate(int64_t seq_id, int32_t num_tokens, const PrefixMatch& match,

@@ -54,6 +54,9 @@ class KVCacheManager {
   // True if a new sequence of num_tokens tokens, of which the match's blocks are
   // cached, can get its blocks now (reviving an evictable block uses it up).
   bool can_allocate(int32_t num_tokens, const PrefixMatch& match = {}) const;
+  // Blocks allocate(num_tokens, match) would take from the free + evictable
+  // ones (new blocks plus the match's evictable blocks it revives).
+  int32_t num_blocks_to_allocate(int32_t num_tokens, const PrefixMatch& match = {}) const;
   // Creates seq_id's block table covering num_tokens slots: the match's blocks
   // (shared, refcount +1) then new ones. Throws RequestRejectedError if seq_id
   // already has a table, InvalidArgumentError if num_tokens is shorter than the
@@ -84,6 +87,10 @@ class KVCacheManager {
   // Gives back every block of seq_id (refcount -1 each). Unknown ids are a no-op
   // and return false, so abort paths can call it unconditionally.
   bool free(int64_t seq_id);
+
+  // Blocks free(seq_id) would make available again: those only seq_id holds
+  // (refcount 1). Throws UnknownRequestError for an unknown seq_id.
+  int32_t num_exclusive_blocks(int64_t seq_id) const;
 
   bool has_sequence(int64_t seq_id) const { return tables_.count(seq_id) != 0; }
   // Throws UnknownRequestError for an unknown seq_id.

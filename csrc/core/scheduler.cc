@@ -1,6 +1,7 @@
 #include "scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "errors.h"
 
@@ -12,18 +13,33 @@ Scheduler::Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t 
     throw InvalidArgumentError(
         "max_num_seqs, max_num_batched_tokens and max_model_len must all be >= 1");
   }
+  if (!(config.watermark >= 0.0 && config.watermark < 1.0)) {
+    throw InvalidArgumentError("watermark must be in [0, 1), got " + std::to_string(config.watermark));
+  }
+  if (!(config.high_watermark > 0.0 && config.high_watermark <= 1.0)) {
+    throw InvalidArgumentError("high_watermark must be in (0, 1], got " + std::to_string(config.high_watermark));
+  }
 }
 
 void Scheduler::add_request(const std::string& request_id,
                             const std::vector<int32_t>& prompt_token_ids, const StopCriteria& stop,
                             const std::string& cache_salt, int32_t n_seqs,
-                            bool skip_reading_prefix_cache) {
+                            bool skip_reading_prefix_cache, int32_t priority) {
   const auto n = static_cast<int64_t>(prompt_token_ids.size());
   if (n == 0) throw RequestRejectedError("the prompt is empty");
   if (requests_.count(request_id)) {
     throw RequestRejectedError("request id '" + request_id + "' is already in use");
   }
   if (n_seqs < 1) throw RequestRejectedError("n must be at least 1, got " + std::to_string(n_seqs));
+  if (n_seqs > config_.max_num_seqs) {
+    throw RequestRejectedError("n = " + std::to_string(n_seqs) + " exceeds max_num_seqs (" +
+                               std::to_string(config_.max_num_seqs) + "): its sequences could never run at once");
+  }
+  if (priority != 0 && config_.policy != SchedulingPolicy::kPriority) {
+    throw RequestRejectedError("priority " + std::to_string(priority) +
+                               " is only honoured with the priority scheduling policy (this engine runs " +
+                               scheduling_policy_name(config_.policy) + ")");
+  }
   if (stop.max_tokens < 1) {
     throw RequestRejectedError("max_tokens must be at least 1, got " +
                                std::to_string(stop.max_tokens));
@@ -51,8 +67,38 @@ void Scheduler::add_request(const std::string& request_id,
   seq->cache_salt = cache_salt;
   seq->num_forks = n_seqs;
   seq->skip_reading_prefix_cache = skip_reading_prefix_cache;
+  seq->priority = priority;
+  seq->arrival = next_arrival_++;
   requests_[request_id].push_back(seq);
-  waiting_.push_back(std::move(seq));
+  enqueue_waiting(seq, /*at_head=*/false);
+}
+
+int64_t Scheduler::num_running_slots() const {
+  int64_t n = 0;
+  for (const SeqPtr& r : running_) n += r->num_forks;  // a sequence that will fork holds n slots
+  return n;
+}
+
+void Scheduler::enqueue_waiting(const SeqPtr& seq, bool at_head) {
+  if (config_.policy == SchedulingPolicy::kPriority) {  // sorted by (priority, arrival)
+    auto pos = std::upper_bound(waiting_.begin(), waiting_.end(), seq,
+                                [](const SeqPtr& a, const SeqPtr& b) { return served_before(*a, *b); });
+    waiting_.insert(pos, seq);
+  } else if (at_head) {
+    waiting_.push_front(seq);
+  } else {
+    waiting_.push_back(seq);
+  }
+}
+
+void Scheduler::insert_running(const SeqPtr& seq) {
+  if (config_.policy == SchedulingPolicy::kPriority) {
+    auto pos = std::upper_bound(running_.begin(), running_.end(), seq,
+                                [](const SeqPtr& a, const SeqPtr& b) { return served_before(*a, *b); });
+    running_.insert(pos, seq);
+  } else {
+    running_.push_back(seq);
+  }
 }
 
 void Scheduler::preempt(const SeqPtr& seq) {
@@ -61,7 +107,55 @@ void Scheduler::preempt(const SeqPtr& seq) {
   seq->status = SequenceStatus::kWaiting;
   ++seq->num_preemptions;
   ++num_preemptions_;
-  waiting_.push_front(seq);
+  enqueue_waiting(seq, /*at_head=*/true);
+}
+
+bool Scheduler::memory_aware_admits(const Sequence& seq, int32_t num_tokens, const PrefixMatch& match) const {
+  const int32_t bs = kv_.block_size();
+  const double mean = mean_output_tokens();
+  int64_t reserve = 0;  // blocks the running sequences are expected to still take
+  for (const SeqPtr& r : running_) {
+    const int32_t target = expected_final_tokens(*r, mean, config_.max_model_len);
+    reserve += std::max(0, BlockTable::num_blocks_for(target, bs) -
+                               BlockTable::num_blocks_for(kv_.num_tokens(r->seq_id), bs));
+  }
+  const int32_t target = expected_final_tokens(seq, mean, config_.max_model_len);
+  reserve += static_cast<int64_t>(std::max(0, BlockTable::num_blocks_for(target, bs) -
+                                                  BlockTable::num_blocks_for(num_tokens, bs))) *
+             seq.num_forks;
+  const int64_t left = static_cast<int64_t>(kv_.num_free_blocks()) - kv_.num_blocks_to_allocate(num_tokens, match) -
+                       reserve;
+  return left >= static_cast<int64_t>(std::ceil(config_.watermark * kv_.num_blocks()));
+}
+
+bool Scheduler::preempt_for(const Sequence& seq, int32_t num_tokens, const PrefixMatch& match,
+                            std::vector<std::pair<SeqPtr, int32_t>>& scheduled, int32_t& budget,
+                            SchedulerOutput& out) {
+  // Count the victims (worst first, strictly worse priority only) that make room.
+  int64_t seqs_free = static_cast<int64_t>(config_.max_num_seqs) - num_running_slots();
+  int64_t blocks_free = kv_.num_free_blocks();
+  const int32_t need = kv_.num_blocks_to_allocate(num_tokens, match);
+  size_t k = 0;
+  for (auto it = running_.rbegin(); it != running_.rend() && (*it)->priority > seq.priority; ++it) {
+    if (seqs_free >= seq.num_forks && blocks_free >= need) break;
+    seqs_free += (*it)->num_forks;
+    blocks_free += kv_.num_exclusive_blocks((*it)->seq_id);  // shared blocks stay held: a lower bound
+    ++k;
+  }
+  if (k == 0 || seqs_free < seq.num_forks || blocks_free < need) return false;
+  for (; k > 0; --k) {
+    SeqPtr victim = running_.back();
+    running_.pop_back();
+    auto in_step = std::find_if(scheduled.begin(), scheduled.end(),
+                                [&](const std::pair<SeqPtr, int32_t>& p) { return p.first == victim; });
+    if (in_step != scheduled.end()) {  // scheduled earlier in this step: give its tokens back
+      budget += in_step->second;
+      scheduled.erase(in_step);
+    }
+    preempt(victim);
+    out.preempted_request_ids.push_back(victim->request_id);
+  }
+  return true;
 }
 
 std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
@@ -70,10 +164,14 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   int32_t budget = config_.max_num_batched_tokens;
   bool preempted = false;
 
-  // 1. Running sequences, oldest first; preempt from the newest end.
+  // memory-aware: above the high-water mark prefills advance one block per step
+  const bool throttle = config_.policy == SchedulingPolicy::kMemoryAware && kv_.usage() > config_.high_watermark;
+
+  // 1. Running sequences in queue order; preempt from the back (newest / worst).
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     SeqPtr seq = running_[i];
-    const int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
+    int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
+    if (throttle) num_new = std::min(num_new, kv_.block_size());
     bool keep = true;
     while (!kv_.can_append(seq->seq_id, num_new)) {
       SeqPtr victim = running_.back();
@@ -93,16 +191,27 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
     ++i;
   }
 
-  // 2. Admit waiting requests (not in a step that had to preempt).
-  while (!preempted && !waiting_.empty() && budget > 0 &&
-         static_cast<int32_t>(running_.size()) < config_.max_num_seqs) {
+  // 2. Admit waiting requests (not in a step that had to preempt for blocks).
+  while (!preempted && !waiting_.empty() && budget > 0) {
     SeqPtr seq = waiting_.front();
     const PrefixMatch match = seq->skip_reading_prefix_cache
                                   ? PrefixMatch{}
                                   : kv_.match_prefix(seq->token_ids, seq->cache_salt);
     const int32_t num_cached = match.num_tokens(kv_.block_size());
     const int32_t num_new = std::min(seq->num_tokens() - num_cached, budget);
-    if (!kv_.can_allocate(num_cached + num_new, match)) break;
+    const int32_t num_tokens = num_cached + num_new;
+    const bool fits = num_running_slots() + seq->num_forks <= config_.max_num_seqs &&
+                      kv_.can_allocate(num_tokens, match);
+    if (!fits) {
+      if (config_.policy == SchedulingPolicy::kPriority && preempt_for(*seq, num_tokens, match, scheduled, budget, *out)) {
+        continue;  // room was made: decide again (the match may have changed)
+      }
+      break;
+    }
+    if (config_.policy == SchedulingPolicy::kMemoryAware && !running_.empty() &&
+        !memory_aware_admits(*seq, num_tokens, match)) {
+      break;
+    }
     waiting_.pop_front();
     kv_.allocate(seq->seq_id, num_cached + num_new, match, seq->cache_salt);
     seq->num_computed_tokens = num_cached;
@@ -112,7 +221,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
       prefix_hits_ += num_cached;
     }
     seq->status = SequenceStatus::kRunning;
-    running_.push_back(seq);
+    insert_running(seq);
     scheduled.emplace_back(seq, num_new);
     budget -= num_new;
   }
@@ -206,7 +315,7 @@ Scheduler::SeqPtr Scheduler::fork(const SeqPtr& parent, int32_t index) {
   child->index = index;
   child->num_forks = 1;
   kv_.fork(parent->seq_id, child->seq_id);
-  running_.push_back(child);
+  insert_running(child);
   requests_[parent->request_id].push_back(child);
   return child;
 }
@@ -220,6 +329,10 @@ void Scheduler::finish(const SeqPtr& seq, FinishReason reason) {
   }
   seq->status = SequenceStatus::kFinished;
   seq->finish_reason = reason;
+  if (reason == FinishReason::kStop || reason == FinishReason::kLength) {
+    finished_output_tokens_ += seq->num_output_tokens();
+    ++num_finished_;
+  }
   auto it = requests_.find(seq->request_id);
   if (it != requests_.end()) {
     auto& seqs = it->second;

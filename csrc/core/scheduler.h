@@ -1,6 +1,7 @@
-// Scheduler: FCFS continuous batching over a paged KV cache with chunked
-// prefill and preemption by recompute (Orca's iteration-level scheduling,
-// vLLM v1's token-budget scheduler, nano-vllm's decide/commit split).
+// Scheduler: continuous batching over a paged KV cache with chunked prefill
+// and preemption by recompute (Orca's iteration-level scheduling, vLLM v1's
+// token-budget scheduler, nano-vllm's decide/commit split), under one of three
+// policies (scheduling_policy.h: fcfs, priority, memory-aware).
 //
 // schedule() decides one step and reserves its KV slots (build_model_input()
 // lays the decision out for the model); update() commits the
@@ -8,17 +9,23 @@
 // engine thread owns it.
 //
 // Policy of schedule():
-//  1. Running sequences, oldest first, each get min(remaining, budget) tokens:
-//     1 for a decode, a chunk of the prompt for an unfinished prefill. If a
-//     sequence cannot get its blocks, the newest running sequence is preempted
-//     (blocks freed, num_computed_tokens = 0, put back at the head of the
-//     waiting queue; generated tokens kept and recomputed on resume), possibly
-//     itself.
-//  2. If nothing was preempted, waiting requests are admitted in FCFS order
-//     while running < max_num_seqs, budget remains and can_allocate() holds for
-//     their first chunk. With prefix caching, admission first matches the
-//     longest cached prefix of full blocks; those tokens are not computed again
-//     (num_computed_tokens starts after them).
+//  1. Running sequences, in queue order (fcfs/memory-aware: admission order;
+//     priority: best (priority, arrival) first), each get min(remaining,
+//     budget) tokens: 1 for a decode, a chunk of the prompt for an unfinished
+//     prefill (memory-aware above high_watermark: at most one block's worth).
+//     If a sequence cannot get its blocks, the last running sequence (newest;
+//     priority: worst) is preempted (blocks freed, num_computed_tokens = 0,
+//     back into the waiting queue at its place: the head for fcfs; generated
+//     tokens kept and recomputed on resume), possibly itself.
+//  2. If nothing was preempted, waiting requests are admitted in queue order
+//     while running (counting the n sequences a request will fork into) + its
+//     n <= max_num_seqs, budget remains and
+//     can_allocate() holds for their first chunk; memory-aware also needs the
+//     watermark to hold (scheduling_policy.h), except when nothing runs (so a
+//     large request is never stuck); priority may preempt strictly worse
+//     running sequences to make room. With prefix caching, admission first
+//     matches the longest cached prefix of full blocks; those tokens are not
+//     computed again (num_computed_tokens starts after them).
 // update() registers blocks that became full in the prefix cache.
 #pragma once
 
@@ -31,6 +38,7 @@
 
 #include "kv_cache_manager.h"
 #include "scheduler_output.h"
+#include "scheduling_policy.h"
 #include "sequence.h"
 
 namespace pagedserve {
@@ -42,6 +50,9 @@ struct SchedulerConfig {
   int32_t max_num_batched_tokens = 2048;  // tokens per step; longer prompts are prefilled in chunks
   int32_t max_model_len = 2048;           // prompt + output tokens per sequence
   bool enable_prefix_caching = true;      // reuse cached full blocks of equal prefixes
+  SchedulingPolicy policy = SchedulingPolicy::kFcfs;
+  double watermark = 0.05;       // memory-aware: share of the KV blocks admission leaves free, [0, 1)
+  double high_watermark = 0.90;  // memory-aware: KV usage above which prefill chunks are throttled, (0, 1]
 };
 
 // Prefix-cache counters (vLLM's prefix_cache_queries / prefix_cache_hits, in tokens).
@@ -53,21 +64,23 @@ struct PrefixCacheStats {
 
 class Scheduler {
  public:
-  // Throws InvalidArgumentError on a bad config (any field < 1).
+  // Throws InvalidArgumentError on a bad config (a limit < 1, a watermark out of range).
   Scheduler(const SchedulerConfig& config, int32_t num_blocks, int32_t block_size);
 
   // Queues a request. Throws RequestRejectedError if it can never be served:
   // empty prompt, duplicate request_id, max_tokens < 1, prompt + max_tokens >
-  // max_model_len, or more blocks than the whole pool.
+  // max_model_len, more blocks than the whole pool, n > max_num_seqs, or a
+  // priority other than 0 when the policy is not priority (as vLLM refuses it).
   // cache_salt: requests with different salts never share cached blocks.
   // n > 1 (parallel sampling): the prompt is prefilled once; at its first sample
   // the sequence forks into n sequences sharing the prompt's blocks.
   // skip_reading_prefix_cache: compute every prompt token even if cached (the
   // caller needs logits at every prompt position: prompt logprobs); its blocks
   // are still cached for later requests (vLLM's skip_reading_prefix_cache).
+  // priority: lower is served first (priority policy only).
   void add_request(const std::string& request_id, const std::vector<int32_t>& prompt_token_ids,
                    const StopCriteria& stop, const std::string& cache_salt = "", int32_t n_seqs = 1,
-                   bool skip_reading_prefix_cache = false);
+                   bool skip_reading_prefix_cache = false, int32_t priority = 0);
 
   // Decides the next step (see class comment). Empty output when idle.
   std::shared_ptr<SchedulerOutput> schedule();
@@ -90,6 +103,11 @@ class Scheduler {
   int32_t num_waiting() const { return static_cast<int32_t>(waiting_.size()); }
   int32_t num_running() const { return static_cast<int32_t>(running_.size()); }
   int64_t num_preemptions() const { return num_preemptions_; }
+  // Mean output tokens of the sequences that finished by stop or length (0 before
+  // the first): the memory-aware policy's expected output length.
+  double mean_output_tokens() const {
+    return num_finished_ ? static_cast<double>(finished_output_tokens_) / num_finished_ : 0.0;
+  }
   PrefixCacheStats prefix_cache_stats() const {
     return {prefix_queries_, prefix_hits_, kv_.num_evictions()};
   }
@@ -101,6 +119,12 @@ class Scheduler {
  private:
   using SeqPtr = std::shared_ptr<Sequence>;
   void preempt(const SeqPtr& seq);
+  void enqueue_waiting(const SeqPtr& seq, bool at_head);
+  int64_t num_running_slots() const;
+  void insert_running(const SeqPtr& seq);
+  bool memory_aware_admits(const Sequence& seq, int32_t num_tokens, const PrefixMatch& match) const;
+  bool preempt_for(const Sequence& seq, int32_t num_tokens, const PrefixMatch& match,
+                   std::vector<std::pair<SeqPtr, int32_t>>& scheduled, int32_t& budget, SchedulerOutput& out);
   void finish(const SeqPtr& seq, FinishReason reason);
   SeqPtr fork(const SeqPtr& parent, int32_t index);
   FinishReason check_stop(const Sequence& seq) const;
@@ -114,6 +138,8 @@ class Scheduler {
   std::vector<std::pair<SeqPtr, int32_t>> last_scheduled_;  // (sequence, num_scheduled_tokens)
   size_t last_num_samples_ = 0;
   int64_t next_seq_id_ = 0;
+  int64_t next_arrival_ = 0;
+  int64_t finished_output_tokens_ = 0, num_finished_ = 0;
   int64_t num_preemptions_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
 };

@@ -38,6 +38,8 @@ struct Sequence {
   // Prompt tokens served from the prefix cache at first admission (usage report).
   int32_t num_cached_tokens = -1;  // -1: not admitted yet
   std::string cache_salt;          // extra key of the prefix-cache hashes
+  int32_t priority = 0;            // priority policy: lower is served first
+  int64_t arrival = 0;             // order of add_request (forks share their parent's)
   bool skip_reading_prefix_cache = false;  // never start from cached blocks (prompt logprobs)
   StopCriteria stop;
   SequenceStatus status = SequenceStatus::kWaiting;

@@ -19,7 +19,7 @@ from . import _core
 _CXX = _core.SchedulerConfig()  # the C++ struct's defaults
 
 _INT32_MAX = 2**31 - 1
-_KINDS = {"str": str, "str | None": str, "int": int, "int | None": int, "bool": bool}
+_KINDS = {"str": str, "str | None": str, "int": int, "int | None": int, "bool": bool, "float": (int, float)}
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
@@ -70,6 +70,17 @@ class EngineArgs:
     max_num_seqs: int = field(default=_CXX.max_num_seqs, metadata=_arg("sequences per step"))
     max_num_batched_tokens: int = field(default=_CXX.max_num_batched_tokens, metadata=_arg(
         "tokens per step; longer prompts are prefilled in chunks"))
+    scheduling_policy: str = field(default=_CXX.policy, metadata=_arg(
+        "fcfs = arrival order; priority = the request's priority field first (lower first, ties by arrival), "
+        "preempting worse running work for better arrivals; memory-aware = arrival order with admission only "
+        "while the KV blocks of a prompt and the expected output of it and of every running sequence leave "
+        "--watermark of the pool free, and prefill chunks of one block while KV usage is above --high-watermark "
+        "(README: Scheduling policies)", choices=list(_core.SCHEDULING_POLICIES)))
+    watermark: float = field(default=_CXX.watermark, metadata=_arg(
+        "memory-aware: share of the KV blocks admission leaves free, in [0, 1)", type=float))
+    high_watermark: float = field(default=_CXX.high_watermark, metadata=_arg(
+        "memory-aware: KV usage (fraction of blocks) above which prefill chunks are throttled, in (0, 1]",
+        type=float))
     attention_backend: str = field(default="auto", metadata=_arg(
         "attention kernels (pagedserve.kernels registry; auto = the best available here)",
         choices=_backend_choices))
@@ -84,7 +95,7 @@ class EngineArgs:
             if f.name == "kv_cache_memory" and isinstance(v, str):
                 continue
             if not (v is None and f.type.endswith("| None")) and (
-                    not isinstance(v, kind) or (kind is int and isinstance(v, bool))):
+                    not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
                 raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
@@ -92,6 +103,14 @@ class EngineArgs:
             torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device must be a torch device such as cpu, cuda or mps: {e}") from e
+        if self.scheduling_policy not in _core.SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(_core.SCHEDULING_POLICIES)}, "
+                             f"got '{self.scheduling_policy}'")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if not 0.0 < self.high_watermark <= 1.0:
+            raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
+        self.watermark, self.high_watermark = float(self.watermark), float(self.high_watermark)
         if self.block_size not in (16, 32):
             raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         try:

@@ -29,12 +29,15 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: int | list[int] | None = None) -> list[RequestOutput]:
         """Runs every prompt to completion; returns the final outputs in prompt order.
 
         Args:
             prompts: a string, a list of strings, or a list of token-id lists.
             sampling_params: one for all prompts, or one per prompt.
+            priority: one for all prompts or one per prompt (lower first; needs
+                scheduling_policy="priority" unless every value is 0), as vLLM's
+                LLM.generate(priority=...).
         Raises:
             ValueError if a prompt can never be served (nothing is queued then).
         """
@@ -43,10 +46,13 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
+        priorities = priority if isinstance(priority, list) else [priority or 0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for p, sp in zip(prompts, params):
-                ids.append(self.engine.add_request(p, sp))
+            for p, sp, prio in zip(prompts, params, priorities):
+                ids.append(self.engine.add_request(p, sp, priority=prio))
         except Exception:
             for rid in ids:
                 self.engine.abort_request(rid)

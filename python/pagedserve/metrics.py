@@ -66,11 +66,17 @@ class EngineMetrics:
     vllm:request_success{finished_reason=stop|length|abort}, vllm:num_preemptions.
     Histograms: vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
     vllm:e2e_request_latency_seconds, vllm:request_queue_time_seconds (seconds),
-    vllm:request_prompt_tokens, vllm:request_generation_tokens (tokens).
+    vllm:request_prompt_tokens, vllm:request_generation_tokens (tokens);
+    with --scheduling-policy priority also
+    pagedserve:request_queue_time_by_priority_seconds{priority=...} (seconds;
+    at most MAX_PRIORITY_LABELS distinct values, later ones under "other", so
+    clients cannot grow the registry without bound).
 
     max_model_len only sets the token-count histogram buckets (1-2-5 steps up to
     it, as vLLM does).
     """
+
+    MAX_PRIORITY_LABELS = 32
 
     def __init__(self, model_name: str, max_model_len: int = 32768) -> None:
         self.registry = CollectorRegistry()
@@ -116,6 +122,11 @@ class EngineMetrics:
         self.queue_time = histogram("vllm:request_queue_time_seconds",
                                     "Histogram of time spent in WAITING phase for request.",
                                     REQUEST_LATENCY_BUCKETS)
+        self._queue_time_by_priority = Histogram(
+            "pagedserve:request_queue_time_by_priority_seconds",
+            "Histogram of time spent in WAITING phase for request, per request priority (priority policy).",
+            L + ["priority"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+        self._priority_labels: set[str] = set()
         token_buckets = build_1_2_5_buckets(max(1, max_model_len))
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
                                                "Number of prefill tokens processed.", token_buckets)
@@ -154,10 +165,20 @@ class EngineMetrics:
         if num_generation_tokens > 0:
             self.generation_tokens.inc(num_generation_tokens)
 
-    def observe_first_token(self, ttft_s: float, queue_time_s: float) -> None:
-        """A request's first token: time to first token and time spent waiting (seconds)."""
+    def observe_first_token(self, ttft_s: float, queue_time_s: float, priority: int | None = None) -> None:
+        """A request's first token: time to first token and time spent waiting
+        (seconds); priority: the request's priority when the engine schedules by
+        priority (None otherwise: no per-priority observation)."""
         self.ttft.observe(ttft_s)
         self.queue_time.observe(queue_time_s)
+        if priority is not None:
+            label = str(priority)
+            with self._lock:
+                if label not in self._priority_labels:
+                    if len(self._priority_labels) >= self.MAX_PRIORITY_LABELS:
+                        label = "other"
+                    self._priority_labels.add(label)
+            self._queue_time_by_priority.labels(self.model_name, label).observe(queue_time_s)
 
     def observe_inter_token(self, latencies_s: list[float]) -> None:
         """Gaps between consecutive output tokens (seconds), one observation each."""

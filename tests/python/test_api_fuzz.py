@@ -71,7 +71,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 # Parameters the server refuses by name when set (400): dropped from steered bodies.
 REFUSED = (set(CompletionRequest.UNIMPLEMENTED) | set(ChatCompletionRequest.UNIMPLEMENTED)
-           | {"tool_choice", "function_call", "response_format", "best_of",
+           | {"tool_choice", "function_call", "response_format", "best_of", "priority",
               "chat_template_kwargs", "documents", "reasoning_effort", "continue_final_message"})
 
 

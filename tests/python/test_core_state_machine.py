@@ -280,7 +280,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         elif bad == "long":
             prompt = (prompt * limit)[:limit - max_tokens + 1]
         stop = _core.StopCriteria(max_tokens, ignore_eos, [EOS], stop_ids)
-        rejected = (not prompt or rid in self.requests or n < 1 or max_tokens < 1
+        rejected = (not prompt or rid in self.requests or n < 1 or n > self.max_seqs or max_tokens < 1
                     or len(prompt) + max_tokens > self.max_len or _cdiv(len(prompt) + max_tokens, bs) > self.num_blocks)
         if rejected:
             event("request rejected")
@@ -417,9 +417,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             i += 1
         assert p == len(preempted), f"unexpected preemption of {preempted[p:]}"
 
-        # 2. FCFS admission while can_allocate holds (none in a step that preempted)
-        while not was_preempted and self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        # 2. FCFS admission while can_allocate holds and the running sequences, counting
+        # the n each unforked one becomes, leave room for its n (none in a step that preempted)
+        while not was_preempted and self.waiting and budget > 0:
             seq = self.waiting[0]
+            if sum(q.num_forks for q in self.running) + seq.num_forks > self.max_seqs:
+                assert not is_row(len(rows), seq), f"{seq} admitted beyond max_num_seqs"
+                break
             match = self._match(seq)
             m = len(match) * bs
             n = min(len(seq.tokens) - m, budget)
@@ -576,6 +580,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def check_state(self):
         kv, s, bs = self.kv, self.s, self.bs
+        assert s.num_running <= self.max_seqs, f"{s.num_running} running, max_num_seqs {self.max_seqs}"
         for seq in self.by_id:  # every sequence id ever handed out
             if seq.table is None:
                 try:

@@ -25,7 +25,7 @@ COMPLETION = {"model": MODEL, "prompt": "The colours of the rainbow are", "tempe
 HONOURED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "n", "seed", "stop", "stop_token_ids", "cache_salt", "ignore_eos", "skip_special_tokens",
-    "stream", "stream_options", "add_special_tokens",
+    "stream", "stream_options", "add_special_tokens", "priority",
     # completions
     "prompt", "echo", "logprobs", "best_of",
     # chat

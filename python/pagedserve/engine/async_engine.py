@@ -49,8 +49,9 @@ class AsyncLLMEngine:
 
     # ---- called from the event loop ---------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Submits a request and yields its RequestOutputs until the finished one.
+        cache_salt and priority: as LLMEngine.add_request.
 
         Raises:
             ValueError (RequestRejectedError among them) if the engine refuses
@@ -59,7 +60,7 @@ class AsyncLLMEngine:
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, cache_salt))
+        self._send(("add", request_id, prompt, params, cache_salt, priority))
         finished = False
         try:
             while True:
@@ -110,7 +111,7 @@ class AsyncLLMEngine:
             request_id = msg[1]
             try:
                 if msg[0] == "add":
-                    self.engine.add_request(msg[2], msg[3], request_id, msg[4])
+                    self.engine.add_request(msg[2], msg[3], request_id, msg[4], msg[5])
                 elif msg[0] == "abort_all":
                     for out in self.engine.abort_all():
                         self._deliver(out.request_id, out)

@@ -130,13 +130,15 @@ class LLMEngine:
                              f"({num_blocks * block_bytes / 2**30:.1f} GiB): {e}") from e
         self.scheduler = _core.Scheduler(
             _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                                  args.enable_prefix_caching),
+                                  args.enable_prefix_caching, args.scheduling_policy, args.watermark,
+                                  args.high_watermark),
             num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
         self.metrics = EngineMetrics(self.model_name, self.max_model_len)
         why_backend = ("auto: the highest-priority backend available here" if args.attention_backend in (None, "auto")
                        else "asked for")
@@ -208,25 +210,28 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
         """Queues a request; returns its id. cache_salt: requests with different
-        salts never share prefix-cache blocks.
+        salts never share prefix-cache blocks. priority: lower is served first
+        (--scheduling-policy priority; any other policy refuses a value other than 0).
 
         Raises:
             ValueError (including pagedserve.errors.RequestRejectedError) if it can
             never be served: empty prompt, longer than max_model_len with
-            max_tokens, more KV blocks than the pool, bad token ids.
+            max_tokens, more KV blocks than the pool, bad token ids, n above
+            max_num_seqs, a priority the scheduling policy does not honour.
         """
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
         # Everything that can fail is built before the scheduler holds the request.
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
+        req.priority = priority
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
                                   params.stop_token_ids)
         # prompt logprobs need logits at every prompt position: no prefix-cache reads
         self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n,
-                                   params.prompt_logprobs is not None)
+                                   params.prompt_logprobs is not None, priority)
         self.requests[request_id] = req
         return request_id
 
@@ -265,6 +270,8 @@ class LLMEngine:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         inp = _core.ModelInput(out)  # the decision laid out for the forward pass
+        # the step's shape, for step-cost models (pagedserve.experiments.step_cost)
+        self.last_step_shape = (inp.num_tokens, int(inp.seq_lens.sum()))
         prompt_rows = self._prompt_logprob_rows(out, inp, request_ids)
         extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
         logits, extra_hidden = self.runner.execute(inp, extra)
@@ -305,7 +312,8 @@ class LLMEngine:
             if itl is None:  # first token: the prefill is done
                 prompt_tokens += len(req.prompt_token_ids)
                 self.metrics.observe_first_token(now - req.arrival_time,
-                                                 req.first_scheduled_time - req.arrival_time)
+                                                 req.first_scheduled_time - req.arrival_time,
+                                                 req.priority if self.args.scheduling_policy == "priority" else None)
             else:
                 itls.append(itl)
             outputs.append(req.make_output())

@@ -80,6 +80,7 @@ class Request:
     params: SamplingParams
     choices: list[Choice]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    priority: int = 0  # lower is served first (--scheduling-policy priority)
     prompt_logprobs: list[Logprob | None] | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

@@ -7,7 +7,11 @@ Requests (prompt + output lengths) come from a seeded workload; the paged side
 runs them through pagedserve._core.KVCacheManager exactly as the scheduler
 does (allocate the prompt, then append one slot per generated token).
 
-    python -m pagedserve.experiments.fragmentation --workload {uniform,bimodal,heavy-tailed}
+    python -m pagedserve.experiments.fragmentation [--workload {uniform,bimodal,heavy-tailed} ...] [--plot PATH]
+
+--plot PATH also writes the table as a PNG figure (needs matplotlib, the
+``bench`` extra): requests admitted and share of reserved slots holding tokens,
+paged vs contiguous.
 """
 
 from __future__ import annotations
@@ -62,30 +66,67 @@ def contiguous(lengths: list[tuple[int, int]], num_slots: int, max_model_len: in
     return {"admitted": admitted, "tokens": tokens, "reserved": admitted * max_model_len}
 
 
+def plot(results: dict[str, dict[str, dict]], path: str, title: str = "") -> str:
+    """Writes a two-panel bar PNG to path and returns path. Left: requests admitted
+    at once from the same KV memory; right: reserved slots that hold tokens (%,
+    100% minus internal fragmentation); one bar per allocator, one group per workload.
+    results: workload -> allocator name -> the dict of :func:`paged` / :func:`contiguous`."""
+    from . import plots
+
+    workloads = list(results)
+    names = list(dict.fromkeys(name for rows in results.values() for name in rows))
+    fig, (adm_ax, use_ax) = plots.new_figure(ncols=2)
+    plots.draw_bars(adm_ax, workloads, {n: [results[w][n]["admitted"] for w in workloads] for n in names},
+                    ylabel="requests admitted at once", title="requests that fit")
+    plots.label_bars(adm_ax, "{:.0f}")
+    plots.draw_bars(use_ax, workloads,
+                    {n: [100 * _utilisation(results[w][n]) for w in workloads] for n in names},
+                    ylabel="reserved slots holding tokens (%)", title="memory utilisation")
+    plots.label_bars(use_ax, "{:.1f}%")
+    for ax in (adm_ax, use_ax):
+        ax.set_xlabel("workload")
+        plots.legend_below(ax)
+    return plots.save(fig, path, suptitle=title)
+
+
+def _utilisation(r: dict) -> float:
+    return r["tokens"] / r["reserved"] if r["reserved"] else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workload", choices=WORKLOADS, default="uniform")
+    ap.add_argument("--workload", choices=WORKLOADS, nargs="+", default=["uniform"],
+                    help="one or more workloads, one table each (and one bar group each in the figure)")
     ap.add_argument("--num-blocks", type=int, default=2048, help="KV memory, in blocks of block_size tokens")
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
 
     num_slots = args.num_blocks * args.block_size
-    lengths = sample_lengths(args.workload, 10_000, args.max_model_len, args.seed)
-    rows = {"paged (C++ KVCacheManager)": paged(lengths, args.num_blocks, args.block_size),
+    results = {}
+    for i, workload in enumerate(dict.fromkeys(args.workload)):
+        lengths = sample_lengths(workload, 10_000, args.max_model_len, args.seed)
+        rows = results[workload] = {
+            "paged (C++ KVCacheManager)": paged(lengths, args.num_blocks, args.block_size),
             f"contiguous, {args.max_model_len} slots per request": contiguous(lengths, num_slots, args.max_model_len)}
-    mean_len = sum(p + o for p, o in lengths) / len(lengths)
-    print(f"workload {args.workload}: mean request {mean_len:.0f} tokens (prompt + output); "
-          f"KV memory {num_slots} token slots ({args.num_blocks} blocks of {args.block_size})")
-    print("| allocator | requests admitted at once | reserved slots | slots holding tokens | "
-          "internal fragmentation |")
-    print("|---|---:|---:|---:|---:|")
-    for name, r in rows.items():
-        used = r["tokens"] / r["reserved"] if r["reserved"] else 0.0
-        print(f"| {name} | {r['admitted']} | {r['reserved']} | {used:.1%} | {1 - used:.1%} |")
-    a, b = (r["admitted"] for r in rows.values())
-    print(f"\npaged admits {a / max(b, 1):.1f}x as many requests from the same memory")
+        mean_len = sum(p + o for p, o in lengths) / len(lengths)
+        if i:
+            print()
+        print(f"workload {workload}: mean request {mean_len:.0f} tokens (prompt + output); "
+              f"KV memory {num_slots} token slots ({args.num_blocks} blocks of {args.block_size})")
+        print("| allocator | requests admitted at once | reserved slots | slots holding tokens | "
+              "internal fragmentation |")
+        print("|---|---:|---:|---:|---:|")
+        for name, r in rows.items():
+            used = _utilisation(r)
+            print(f"| {name} | {r['admitted']} | {r['reserved']} | {used:.1%} | {1 - used:.1%} |")
+        a, b = (r["admitted"] for r in rows.values())
+        print(f"\npaged admits {a / max(b, 1):.1f}x as many requests from the same memory")
+    if args.plot:
+        plot(results, args.plot, title=f"KV memory {num_slots} token slots ({args.num_blocks} blocks "
+             f"of {args.block_size}), max_model_len {args.max_model_len}")
 
 
 if __name__ == "__main__":

@@ -75,9 +75,12 @@ class _Request(RequestBody):
     store: bool | None = None
     metadata: dict | None = None
     service_tier: str | None = None
-    # vLLM extensions that would change the result (or, priority, the order of
-    # service) and are not implemented: accepted only with the value that means
-    # "off", else a 400 names them (UNIMPLEMENTED)
+    # vLLM's priority: lower is served first, under --scheduling-policy priority
+    # (another policy refuses a value other than 0 with a 400, as vLLM does)
+    priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # vLLM extensions that would change the result and are not implemented:
+    # accepted only with the value that means "off", else a 400 names them
+    # (UNIMPLEMENTED)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
     guided_json: str | dict | None = None
@@ -96,7 +99,6 @@ class _Request(RequestBody):
     truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
-    priority: int = 0
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
@@ -104,7 +106,7 @@ class _Request(RequestBody):
         "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
         "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
         "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",
-        "priority", "vllm_xargs")
+        "vllm_xargs")
 
     def unimplemented_in_use(self) -> str | None:
         """The first UNIMPLEMENTED field set to something other than its default

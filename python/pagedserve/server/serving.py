@@ -85,10 +85,10 @@ class OpenAIServing:
             raise APIError(404, f"The model `{name}` does not exist; this server serves `{self.model_name}`.",
                            "not_found_error", "model", "model_not_found")
 
-    @staticmethod
-    def reject_unsupported(req: _Request) -> None:
+    def reject_unsupported(self, req: _Request) -> None:
         """Raises APIError 400 naming a parameter that would change the result but
-        is not implemented (silently ignoring it would give a wrong answer)."""
+        is not implemented (silently ignoring it would give a wrong answer), or a
+        priority other than 0 when the engine does not schedule by priority."""
         def refuse(param: str, why: str = "is not supported by this server"):
             raise APIError(400, f"`{param}` {why}", param=param, code="unsupported_parameter")
 
@@ -103,6 +103,9 @@ class OpenAIServing:
             refuse(name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
+        policy = self.core.args.scheduling_policy
+        if req.priority != 0 and policy != "priority":
+            refuse("priority", f"is only honoured with --scheduling-policy priority (this server runs {policy})")
 
     def sampling_params(self, req: _Request, max_tokens: int | None, prompt_len: int, *,
                         logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
@@ -141,9 +144,9 @@ class OpenAIServing:
 
     # ---- running requests -------------------------------------------------
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                cache_salt: str | None) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+                cache_salt: str | None, priority: int) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        return ids, [self.engine.generate(p, sp, rid, cache_salt) for p, sp, rid in zip(prompts, params, ids)]
+        return ids, [self.engine.generate(p, sp, rid, cache_salt, priority) for p, sp, rid in zip(prompts, params, ids)]
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -184,13 +187,14 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate_final(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
-                             request_id: str, cache_salt: str | None) -> list[RequestOutput]:
+                             request_id: str, cache_salt: str | None, priority: int = 0) -> list[RequestOutput]:
         """Runs every prompt to its end; returns the final outputs in prompt order.
+        cache_salt, priority: as LLMEngine.add_request.
 
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, request_id, cache_salt)
+        ids, gens = self._submit(prompts, params, request_id, cache_salt, priority)
 
         async def consume() -> list[RequestOutput]:
             final = await self._first_outputs(gens)
@@ -206,7 +210,7 @@ class OpenAIServing:
                 await g.aclose()
 
     async def generate_stream(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
-                              request_id: str, cache_salt: str | None
+                              request_id: str, cache_salt: str | None, priority: int = 0
                               ) -> tuple[list[RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
         """Starts every prompt and waits for their first outputs (so a rejected
         request is still a plain 400, not a broken stream). Returns those and an
@@ -217,7 +221,7 @@ class OpenAIServing:
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, request_id, cache_salt)
+        ids, gens = self._submit(prompts, params, request_id, cache_salt, priority)
         try:
             firsts = await self._until_disconnect(raw, self._first_outputs(gens), ids)
         except BaseException:

@@ -132,7 +132,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs)
         request_id = random_id("chatcmpl")
         if not req.stream:
-            (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt)
+            (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
 
             def response() -> ChatCompletionResponse:
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]), choices=[
@@ -141,7 +141,7 @@ class OpenAIServingChat(OpenAIServing):
                                finish_reason=c.finish_reason) for c in out.outputs])
 
             return await run_in_threadpool(response) if req.logprobs else response()
-        _, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt)
+        _, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
         return StreamingResponse(self._stream(req, request_id, outputs), media_type="text/event-stream")
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str,

@@ -41,7 +41,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                        prompt_logprobs=prompt_logprobs) for p in prompts]
         request_id = random_id("cmpl")
         if not req.stream:
-            outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt)
+            outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority)
 
             def response() -> CompletionResponse:
                 choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                           usage=usage_of(outs))
 
             return await run_in_threadpool(response) if req.logprobs is not None else response()
-        firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt)
+        firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt, req.priority)
         return StreamingResponse(self._stream(req, request_id, firsts, outputs), media_type="text/event-stream")
 
     def _prompt_text(self, out: RequestOutput) -> str:
