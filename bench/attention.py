@@ -33,6 +33,8 @@ import time
 
 import torch
 
+from pagedserve.experiments import plots
+
 
 def methods() -> list[str]:
     """'gather' and every (backend[:variant]) that can run here."""
@@ -142,8 +144,6 @@ def plot(results: list[dict], path: str, title: str = "") -> str:
     call (peak RSS growth, MiB) vs S; one line per method, x axis log2 S, y axes log.
     A growth below the 4 KiB measurement resolution (often 0) is drawn at 4 KiB.
     results: the rows of :func:`worker` (method, seq_len, median_ms, peak_mem_bytes)."""
-    from pagedserve.experiments import plots
-
     seq_lens = sorted({r["seq_len"] for r in results})
     by = {(r["method"], r["seq_len"]): r for r in results}
     names = list(dict.fromkeys(r["method"] for r in results))
@@ -171,6 +171,7 @@ def main() -> None:
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     ap.add_argument("--worker", nargs=2, metavar=("METHOD", "SEQ_LEN"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    plots.require_writable(ap, args.plot)
     if args.worker:
         print(json.dumps(worker(args.worker[0], args.batch, args.heads, int(args.worker[1]), args.repeats)))
         return

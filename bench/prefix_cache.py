@@ -25,6 +25,7 @@ import time
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.experiments import plots
 
 
 def run(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[list[float], float, list[list[int]], int]:
@@ -53,8 +54,6 @@ def plot(results: dict[str, tuple[list[float], float, list[list[int]], int]], pa
     """Writes a two-panel bar PNG to path and returns path. Left: time to first
     token, median and p90 (ms), prefix caching off vs on; right: total time of all
     requests (s). results: mode ("off" / "on") -> the tuple :func:`run` returns."""
-    from pagedserve.experiments import plots
-
     modes = [m for m in ("off", "on") if m in results]
     fig, (ttft_ax, total_ax) = plots.new_figure(ncols=2)
     plots.draw_bars(ttft_ax, ["TTFT median", "TTFT p90"],
@@ -79,6 +78,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
+    plots.require_writable(ap, args.plot)
 
     g = torch.Generator().manual_seed(0)
     on = LLM(model=args.model, dtype=args.dtype, enable_prefix_caching=True)

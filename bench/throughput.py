@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
+from pagedserve.experiments import plots
 from pagedserve.kernels import backend_names
 
 
@@ -29,8 +30,6 @@ def plot(results: list[tuple[str, float, float]], path: str, title: str = "") ->
     """Writes a two-panel bar PNG to path and returns path. Left: output tokens/s
     of each system, labelled with its ratio to static batching where that ran;
     right: wall time of the timed run (s). results: (system, seconds, tokens/s) rows."""
-    from pagedserve.experiments import plots
-
     names = [n.replace(", ", ",\n") for n, _, _ in results]
     base = next((tps for n, _, tps in results if "static" in n), None)
     fig, (tps_ax, time_ax) = plots.new_figure(ncols=2)
@@ -57,6 +56,7 @@ def main() -> None:
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
+    plots.require_writable(ap, args.plot)
 
     llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
               onednn_linear=not args.no_onednn_linear)

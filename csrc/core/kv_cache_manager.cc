@@ -164,6 +164,13 @@ bool KVCacheManager::free(int64_t seq_id) {
   // Free in reverse so a prompt's tail blocks become the least recently used
   // and its head blocks (most shared) are evicted last.
   const auto& ids = it->second.table.block_ids();
+  // A copy-on-write copy not yet taken targets a block only this sequence held:
+  // nobody needs it any more (the sequence was preempted or ended in this step).
+  pending_copies_.erase(std::remove_if(pending_copies_.begin(), pending_copies_.end(),
+                                       [&](const std::pair<int32_t, int32_t>& c) {
+                                         return std::find(ids.begin(), ids.end(), c.second) != ids.end();
+                                       }),
+                        pending_copies_.end());
   for (auto b = ids.rbegin(); b != ids.rend(); ++b) pool_.free(*b);
   tables_.erase(it);
   return true;

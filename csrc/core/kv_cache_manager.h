@@ -84,8 +84,9 @@ class KVCacheManager {
   // num_computed_tokens of `tokens`) in the prefix cache. No-op when off.
   void cache_full_blocks(int64_t seq_id, const std::vector<int32_t>& tokens, int32_t num_computed_tokens);
 
-  // Gives back every block of seq_id (refcount -1 each). Unknown ids are a no-op
-  // and return false, so abort paths can call it unconditionally.
+  // Gives back every block of seq_id (refcount -1 each) and drops its pending
+  // copy-on-write copies. Unknown ids are a no-op and return false, so abort
+  // paths can call it unconditionally.
   bool free(int64_t seq_id);
 
   // Blocks free(seq_id) would make available again: those only seq_id holds

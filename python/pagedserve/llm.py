@@ -39,14 +39,16 @@ class LLM:
                 scheduling_policy="priority" unless every value is 0), as vLLM's
                 LLM.generate(priority=...).
         Raises:
-            ValueError if a prompt can never be served (nothing is queued then).
+            ValueError if a prompt can never be served (nothing is queued then);
+            TypeError / ValueError for a priority that is not an int32.
         """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts")
-        priorities = priority if isinstance(priority, list) else [priority or 0] * len(prompts)
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [
+            0 if priority is None else priority] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
         ids = []

@@ -301,3 +301,29 @@ TEST(SchedulingPolicy, MemoryAwareLearnsTheMeanOutputLength) {
   EXPECT_EQ(expected_final_tokens(q, 1.0, 2048), 13);    // at least one more token
   EXPECT_EQ(expected_final_tokens(q, 0.0, 50), 50);      // capped by max_model_len
 }
+
+// A forked sequence preempted in the step that gave it its copy-on-write block
+// leaves no copy into the freed block behind (priority preempts for a better
+// arrival after the running sequences were scheduled).
+TEST(SchedulingPolicy, PreemptedSequenceLeavesNoPendingCopy) {
+  SchedulerConfig c = config(SchedulingPolicy::kPriority, 2);
+  c.enable_prefix_caching = false;
+  Scheduler s(c, 8, 4);
+  s.add_request("low", {3, 4, 5}, max_tokens(8), "", 2, false, 5);
+  auto out = s.schedule();
+  s.update(std::vector<int32_t>(2, 6));  // forks: two sequences share a partial block
+  s.add_request("high", {7, 8}, max_tokens(4), "", 2, false, 0);
+  out = s.schedule();
+  ASSERT_EQ(out->preempted_request_ids.size(), 2u);
+  std::vector<int32_t> held(out->block_ids.begin(), out->block_ids.end());
+  for (size_t i = 0; i < out->blocks_to_copy.size(); i += 2) {
+    EXPECT_NE(std::find(held.begin(), held.end(), out->blocks_to_copy[i + 1]), held.end())
+        << "copy into block " << out->blocks_to_copy[i + 1] << " that no scheduled sequence holds";
+  }
+  EXPECT_TRUE(out->blocks_to_copy.empty());
+  int32_t n = 0;
+  for (int32_t k : out->num_samples) n += k;
+  s.update(std::vector<int32_t>(n, 9));
+  Stepper st{s};
+  st.run();
+}

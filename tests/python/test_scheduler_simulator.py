@@ -2,6 +2,7 @@
 its step-cost model: it drives the real C++ scheduler to the end of every
 workload, deterministically; the policies differ where they should."""
 
+import json
 import random
 
 import numpy as np
@@ -112,3 +113,21 @@ def test_record_steps_times_real_steps(tiny_llama_dir):
     assert samples and all(s.seconds > 0 and 1 <= s.num_batched_tokens <= s.sum_seq_lens for s in samples)
     assert max(s.num_batched_tokens for s in samples) > 8  # some prefill steps
     assert eng.num_free_blocks == eng.num_kv_blocks
+
+
+@pytest.mark.parametrize("flags", [["--rates", "0"], ["--rates", "nan"], ["--num-kv-blocks", "4"],
+                                   ["--priority-classes", "a,b"], ["--max-tokens", "0"], ["--watermark", "1.0"],
+                                   ["--step-cost", "/nonexistent/cost.json"], ["--plot", "/"]])
+def test_bad_flags_are_one_line_errors(flags, capsys):
+    with pytest.raises(SystemExit) as e:
+        sim.main(["run", "--num-requests", "5", *flags])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "Traceback" not in err
+
+
+def test_step_cost_constants_are_checked(tmp_path):
+    for bad in ({"a": 0, "b": 0, "c": 0}, {"a": -1, "b": 0.1, "c": 0}, {"a": 1}):
+        (tmp_path / "c.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            StepCost.load(str(tmp_path / "c.json"))

@@ -88,6 +88,17 @@ def test_priority_needs_the_priority_policy(tiny_llama_dir):
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, priority=[0, 1])
 
 
+@pytest.mark.parametrize("bad,exc", [(1.5, TypeError), ("1", TypeError), (True, TypeError), ([None, 1], TypeError),
+                                     (2**31, ValueError), (-2**31 - 1, ValueError), ([0, 1, 2], ValueError)])
+def test_bad_priorities_are_refused_cleanly(tiny_llama_dir, bad, exc):
+    llm = engine(tiny_llama_dir, "priority")
+    with pytest.raises(exc, match="priorit"):
+        llm.generate([[5, 6, 7], [8, 9]], SamplingParams(max_tokens=2), use_tqdm=False, priority=bad)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.num_free_blocks == llm.engine.num_kv_blocks
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False, priority=(-2**31,))) == 1
+
+
 def test_n_above_max_num_seqs_is_refused(tiny_llama_dir):
     llm = engine(tiny_llama_dir, "fcfs", max_num_seqs=2)
     with pytest.raises(RequestRejectedError, match="max_num_seqs"):
@@ -147,3 +158,18 @@ def test_server_refuses_priority_under_fcfs(server):
     err = r.json()["error"]
     assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
     assert httpx.post(server + "/v1/chat/completions", json={**body, "priority": 0}, timeout=60).status_code == 200
+
+
+def test_server_refuses_n_above_max_num_seqs(tiny_llama_dir):
+    import httpx
+    from serverlib import start_server, stop_server
+
+    proc, base = start_server("--model", tiny_llama_dir, "--dtype", "float32", "--skip-tokenizer-init",
+                              "--max-num-seqs", "2", "--num-kv-blocks", "16")
+    try:
+        body = {"model": tiny_llama_dir, "prompt": [5, 6, 7], "max_tokens": 2}
+        r = httpx.post(base + "/v1/completions", json={**body, "n": 3}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+        assert httpx.post(base + "/v1/completions", json={**body, "n": 2}, timeout=60).status_code == 200
+    finally:
+        stop_server(proc)

@@ -219,9 +219,14 @@ class LLMEngine:
             ValueError (including pagedserve.errors.RequestRejectedError) if it can
             never be served: empty prompt, longer than max_model_len with
             max_tokens, more KV blocks than the pool, bad token ids, n above
-            max_num_seqs, a priority the scheduling policy does not honour.
+            max_num_seqs, a priority the scheduling policy does not honour or
+            outside int32; TypeError for a priority that is not an int.
         """
         params = params or SamplingParams()
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
+        if not -2**31 <= priority < 2**31:
+            raise ValueError(f"priority must be in [-2**31, 2**31 - 1], got {priority}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
         # Everything that can fail is built before the scheduler holds the request.

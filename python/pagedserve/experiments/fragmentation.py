@@ -20,6 +20,7 @@ import argparse
 import random
 
 from .. import _core
+from . import plots
 
 WORKLOADS = ("uniform", "bimodal", "heavy-tailed")
 
@@ -71,8 +72,6 @@ def plot(results: dict[str, dict[str, dict]], path: str, title: str = "") -> str
     at once from the same KV memory; right: reserved slots that hold tokens (%,
     100% minus internal fragmentation); one bar per allocator, one group per workload.
     results: workload -> allocator name -> the dict of :func:`paged` / :func:`contiguous`."""
-    from . import plots
-
     workloads = list(results)
     names = list(dict.fromkeys(name for rows in results.values() for name in rows))
     fig, (adm_ax, use_ax) = plots.new_figure(ncols=2)
@@ -103,6 +102,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args()
+    plots.require_writable(ap, args.plot)
 
     num_slots = args.num_blocks * args.block_size
     results = {}

@@ -109,3 +109,19 @@ def bar_chart(path: str, groups: Sequence[str], series: Mapping[str, Sequence[fl
     fig, (ax,) = new_figure()
     draw_bars(ax, groups, series, ylabel=ylabel, title=title)
     return save(fig, path)
+
+
+def require_writable(parser, path: str | None) -> None:
+    """For --plot PATH: exits through parser.error (status 2, one line) before a
+    long run, not after it, when PATH is a directory or cannot be written
+    (parent folders are created; an empty file is left at PATH). None: no-op."""
+    if path is None:
+        return
+    try:
+        if os.path.isdir(path):
+            raise IsADirectoryError(f"{path} is a directory: give a file name such as {os.path.join(path, 'fig.png')}")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "ab"):
+            pass
+    except OSError as e:
+        parser.error(f"--plot: {e}")

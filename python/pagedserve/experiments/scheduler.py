@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import _core
+from ..errors import PagedServeError
+from . import plots
 from .step_cost import StepCost, default_path, prediction_error, record_steps
 from .workload import EOS_TOKEN_ID, WORKLOADS, SimRequest, generate
 
@@ -173,8 +175,6 @@ def plot(rows: list[tuple[float, str, dict]], usage: dict[str, list[tuple[float,
     output throughput vs arrival rate (one line per policy), KV usage over
     simulated time at the highest rate, and TTFT p99 per priority class (when
     the workload has classes). Returns path."""
-    from . import plots
-
     policies = list(dict.fromkeys(p for _, p, _ in rows))
     rates = sorted({r for r, _, _ in rows})
 
@@ -211,7 +211,9 @@ def plot(rows: list[tuple[float, str, dict]], usage: dict[str, list[tuple[float,
 
 
 def _load_cost(path: str | None) -> StepCost:
-    path = path or default_path()
+    if path is not None:  # asked for: it must be there
+        return StepCost.load(path)
+    path = default_path()
     if os.path.exists(path):
         return StepCost.load(path)
     print(f"no calibration at {path}: using {FALLBACK_COST.source} (run `calibrate` for this machine)",
@@ -219,11 +221,23 @@ def _load_cost(path: str | None) -> StepCost:
     return FALLBACK_COST
 
 
+def _priority_classes(text: str | None) -> list[int] | None:
+    if not text:
+        return None
+    try:
+        classes = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise ValueError(f"--priority-classes must be comma-separated integers, got '{text}'") from None
+    if not all(-2**31 <= c < 2**31 for c in classes):
+        raise ValueError(f"--priority-classes must be int32 values, got '{text}'")
+    return classes
+
+
 def cmd_run(args: argparse.Namespace) -> None:
+    classes = _priority_classes(args.priority_classes)
     cost = _load_cost(args.step_cost)
     cfg = SimConfig(args.num_kv_blocks, args.block_size, args.max_num_seqs, args.max_num_batched_tokens,
                     args.max_model_len, not args.no_prefix_caching, args.watermark, args.high_watermark)
-    classes = [int(c) for c in args.priority_classes.split(",")] if args.priority_classes else None
     print(f"step cost: {cost.a * 1e3:.2f} ms + {cost.b * 1e6:.1f} us/token + {cost.c * 1e9:.1f} ns/context token "
           f"({cost.source})")
     print(f"workload: {args.num_requests} requests, {args.lengths} lengths, max_model_len {cfg.max_model_len}, "
@@ -254,6 +268,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
     from ..config import EngineArgs
     from ..engine.llm_engine import LLMEngine
 
+    if args.num_requests < 4:
+        raise ValueError(f"--num-requests must be at least 4 (three waves of requests), got {args.num_requests}")
     engine = LLMEngine(EngineArgs(model=args.model, dtype=args.dtype, skip_tokenizer_init=True))
     # warm-up, not used: oneDNN builds its kernels for each padded step size on first use
     record_steps(engine, args.num_requests, seed=args.seed + 100)
@@ -275,7 +291,8 @@ def cmd_calibrate(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m pagedserve.experiments.scheduler", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="simulate policies at several loads")
     run.add_argument("--policies", nargs="+", default=list(_core.SCHEDULING_POLICIES),
@@ -309,7 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     cal.add_argument("--out", default=None, help=f"where to write the constants (default {default_path()})")
     cal.set_defaults(fn=cmd_calibrate)
     args = ap.parse_args(argv)
-    args.fn(args)
+    plots.require_writable(ap, getattr(args, "plot", None))
+    try:
+        args.fn(args)
+    except (ValueError, OSError, PagedServeError) as e:  # bad flags or files: one line, no traceback
+        ap.exit(2, f"{ap.prog} {args.cmd}: error: {e}\n")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ workload on this machine and :meth:`StepCost.fit` solves the least-squares fit.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import random
@@ -76,12 +77,22 @@ class StepCost:
         with open(path, "w") as f:
             json.dump(asdict(self), f, indent=1)
 
+    def __post_init__(self) -> None:
+        vals = (self.a, self.b, self.c)
+        if not all(math.isfinite(v) and v >= 0 for v in vals) or not any(v > 0 for v in vals):
+            raise ValueError(f"step-cost constants must be finite, >= 0 and not all 0, got a={self.a}, "
+                             f"b={self.b}, c={self.c}")
+
     @classmethod
     def load(cls, path: str) -> StepCost:
-        """Reads a file written by save(). Raises OSError / ValueError / KeyError on a bad file."""
+        """Reads a file written by save(). Raises OSError, or ValueError for a
+        file that is not such JSON or holds invalid constants."""
         with open(path) as f:
-            d = json.load(f)
-        return cls(float(d["a"]), float(d["b"]), float(d["c"]), str(d.get("source", "")))
+            try:
+                d = json.load(f)
+                return cls(float(d["a"]), float(d["b"]), float(d["c"]), str(d.get("source", "")))
+            except (KeyError, TypeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path} is not a step-cost file ({type(e).__name__}: {e})") from e
 
 
 def default_path() -> str:

@@ -46,11 +46,18 @@ def generate(num_requests: int, rate: float, *, lengths: str = "bimodal", max_mo
     num_prefixes fixed prefixes of that many tokens (prompt lengths grow by it,
     within max_model_len).
 
-    Raises ValueError on an unknown lengths name, a non-positive rate/count, or
-    a context too short for the bimodal long mode.
+    Raises ValueError on an unknown lengths name, a rate below 1e-9/s or NaN, a
+    count below 1, a negative prefix length, max_tokens < 1, or a context too
+    short for the lengths (64 tokens; bimodal's long mode needs 1280).
     """
-    if num_requests < 1 or not rate > 0:
-        raise ValueError(f"need num_requests >= 1 and rate > 0, got {num_requests}, {rate}")
+    if num_requests < 1 or not rate >= 1e-9:  # not rate: NaN too; tinier rates overflow the clock
+        raise ValueError(f"need num_requests >= 1 and a rate >= 1e-9 requests/s, got {num_requests}, {rate}")
+    if shared_prefix_len < 0 or num_prefixes < 1 or (max_tokens is not None and max_tokens < 1):
+        raise ValueError(f"need shared_prefix_len >= 0, num_prefixes >= 1 and max_tokens >= 1, got "
+                         f"{shared_prefix_len}, {num_prefixes}, {max_tokens}")
+    if max_model_len - shared_prefix_len < 64:
+        raise ValueError(f"max_model_len - shared_prefix_len must leave at least 64 tokens for the lengths, "
+                         f"got {max_model_len - shared_prefix_len}")
     if lengths not in WORKLOADS:
         raise ValueError(f"unknown lengths '{lengths}', choose from {WORKLOADS}")
     if lengths == "bimodal" and max_model_len - shared_prefix_len < 1280:  # its long mode is 1024..len-256

@@ -103,6 +103,9 @@ class OpenAIServing:
             refuse(name)
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
+        if req.n > self.core.args.max_num_seqs:
+            raise APIError(400, f"`n` = {req.n} exceeds this server's --max-num-seqs "
+                                f"({self.core.args.max_num_seqs}): its choices could never run at once", param="n")
         policy = self.core.args.scheduling_policy
         if req.priority != 0 and policy != "priority":
             refuse("priority", f"is only honoured with --scheduling-policy priority (this server runs {policy})")
