@@ -73,12 +73,12 @@ class EngineMetrics:
     clients cannot grow the registry without bound).
 
     max_model_len only sets the token-count histogram buckets (1-2-5 steps up to
-    it, as vLLM does).
+    it, as vLLM does); per_priority registers the per-priority queue time.
     """
 
     MAX_PRIORITY_LABELS = 32
 
-    def __init__(self, model_name: str, max_model_len: int = 32768) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 32768, per_priority: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
@@ -125,7 +125,7 @@ class EngineMetrics:
         self._queue_time_by_priority = Histogram(
             "pagedserve:request_queue_time_by_priority_seconds",
             "Histogram of time spent in WAITING phase for request, per request priority (priority policy).",
-            L + ["priority"], buckets=REQUEST_LATENCY_BUCKETS, registry=r)
+            L + ["priority"], buckets=REQUEST_LATENCY_BUCKETS, registry=r) if per_priority else None
         self._priority_labels: set[str] = set()
         token_buckets = build_1_2_5_buckets(max(1, max_model_len))
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens",
@@ -171,7 +171,7 @@ class EngineMetrics:
         priority (None otherwise: no per-priority observation)."""
         self.ttft.observe(ttft_s)
         self.queue_time.observe(queue_time_s)
-        if priority is not None:
+        if priority is not None and self._queue_time_by_priority is not None:
             label = str(priority)
             with self._lock:
                 if label not in self._priority_labels:

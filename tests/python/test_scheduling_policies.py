@@ -158,6 +158,7 @@ def test_server_refuses_priority_under_fcfs(server):
     err = r.json()["error"]
     assert err["param"] == "priority" and "--scheduling-policy priority" in err["message"]
     assert httpx.post(server + "/v1/chat/completions", json={**body, "priority": 0}, timeout=60).status_code == 200
+    assert "request_queue_time_by_priority" not in httpx.get(server + "/metrics", timeout=10).text
 
 
 def test_server_refuses_n_above_max_num_seqs(tiny_llama_dir):

@@ -139,7 +139,8 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
-        self.metrics = EngineMetrics(self.model_name, self.max_model_len)
+        self.metrics = EngineMetrics(self.model_name, self.max_model_len,
+                                     per_priority=args.scheduling_policy == "priority")
         why_backend = ("auto: the highest-priority backend available here" if args.attention_backend in (None, "auto")
                        else "asked for")
         if variant:
@@ -153,6 +154,11 @@ class LLMEngine:
         logger.info("linear layers: %s", self.linear_path)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
                     self.kv_cache.nbytes / 2**20, self.max_model_len)
+        logger.info("scheduler: %s policy%s, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
+                    args.scheduling_policy,
+                    f" (watermark {args.watermark:g}, high watermark {args.high_watermark:g})"
+                    if args.scheduling_policy == "memory-aware" else "",
+                    args.max_num_seqs, args.max_num_batched_tokens, "on" if args.enable_prefix_caching else "off")
         try:
             check = self.runner.startup_check(check_ids, reference, noise)
         except Exception as e:

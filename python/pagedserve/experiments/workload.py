@@ -42,7 +42,8 @@ def generate(num_requests: int, rate: float, *, lengths: str = "bimodal", max_mo
     puts every arrival at 0. lengths: one of WORKLOADS. max_tokens: the cap
     each request sends; None = what the context leaves after its prompt (the
     chat endpoint's default). priority_classes: each request draws one value
-    uniformly. shared_prefix_len > 0: every prompt starts with one of
+    uniformly, from a generator of its own (the same seed gives the same
+    lengths and arrivals with or without classes). shared_prefix_len > 0: every prompt starts with one of
     num_prefixes fixed prefixes of that many tokens (prompt lengths grow by it,
     within max_model_len).
 
@@ -66,6 +67,7 @@ def generate(num_requests: int, rate: float, *, lengths: str = "bimodal", max_mo
     rng = random.Random(seed)
     prefixes = [[rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(shared_prefix_len)]
                 for _ in range(max(1, num_prefixes))] if shared_prefix_len > 0 else [[]]
+    classes_rng = random.Random(f"priority-{seed}")  # apart: classes do not change lengths or arrivals
     out, t = [], 0.0
     for i, (p, o) in enumerate(sample_lengths(lengths, num_requests, max_model_len - shared_prefix_len, seed)):
         if rate != float("inf"):
@@ -73,6 +75,6 @@ def generate(num_requests: int, rate: float, *, lengths: str = "bimodal", max_mo
         prompt = rng.choice(prefixes) + [rng.randrange(_FIRST_TOKEN_ID, vocab_size) for _ in range(p)]
         room = max_model_len - len(prompt)
         cap = room if max_tokens is None else max(1, min(max_tokens, room))
-        prio = rng.choice(priority_classes) if priority_classes else 0
+        prio = classes_rng.choice(priority_classes) if priority_classes else 0
         out.append(SimRequest(f"sim-{i}", t, prompt, max(1, min(o, cap)), cap, prio))
     return out
