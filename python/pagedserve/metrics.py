@@ -165,13 +165,13 @@ class EngineMetrics:
         if num_generation_tokens > 0:
             self.generation_tokens.inc(num_generation_tokens)
 
-    def observe_first_token(self, ttft_s: float, queue_time_s: float, priority: int | None = None) -> None:
+    def observe_first_token(self, ttft_s: float, queue_time_s: float, priority: int = 0) -> None:
         """A request's first token: time to first token and time spent waiting
-        (seconds); priority: the request's priority when the engine schedules by
-        priority (None otherwise: no per-priority observation)."""
+        (seconds); the wait is also observed under the request's priority when
+        the metrics were made with per_priority."""
         self.ttft.observe(ttft_s)
         self.queue_time.observe(queue_time_s)
-        if priority is not None and self._queue_time_by_priority is not None:
+        if self._queue_time_by_priority is not None:
             label = str(priority)
             with self._lock:
                 if label not in self._priority_labels:

@@ -323,8 +323,7 @@ class LLMEngine:
             if itl is None:  # first token: the prefill is done
                 prompt_tokens += len(req.prompt_token_ids)
                 self.metrics.observe_first_token(now - req.arrival_time,
-                                                 req.first_scheduled_time - req.arrival_time,
-                                                 req.priority if self.args.scheduling_policy == "priority" else None)
+                                                 req.first_scheduled_time - req.arrival_time, req.priority)
             else:
                 itls.append(itl)
             outputs.append(req.make_output())
