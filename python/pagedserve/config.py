@@ -88,6 +88,9 @@ class EngineArgs:
         "run linear layers through oneDNN with pre-packed weights where this CPU supports it for the dtype "
         "(else torch's default GEMM)"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
+    chat_template: str | None = field(default=None, metadata=_arg(
+        "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
+        "(ChatML with tool calls, for ChatML models whose own template has no tool format, e.g. SmolLM2)"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # types first: 16.0 or "16" must not pass for 16

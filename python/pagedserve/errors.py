@@ -25,3 +25,13 @@ class ModelLoadError(PagedServeError, ValueError):
 class BackendUnavailableError(PagedServeError, ValueError):
     """An attention backend that is unknown, not built, or cannot run here
     (for this device, dtype or CPU); the message says why."""
+
+
+class InvalidStructuredOutputError(PagedServeError, ValueError):
+    """A JSON schema, regular expression, choice list or grammar that cannot be
+    compiled into a grammar. ``kind`` names the StructuredOutputsParams field
+    ("json", "regex", "choice", "grammar", "json_object")."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind

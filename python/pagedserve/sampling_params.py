@@ -3,11 +3,72 @@ OpenAI-shaped values)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
 _INT32_MAX = 2**31 - 1
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does)
 _MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output text (vLLM's StructuredOutputsParams): exactly
+    one field is set. Enforced by grammar-constrained decoding: before each
+    token is sampled, the tokens the grammar cannot accept next are masked
+    (xgrammar, Dong et al. 2024), so the output always is a prefix of a
+    sentence of the grammar, and a complete one when it ends by EOS.
+
+    Attributes:
+        json: a JSON schema (dict, or its JSON text): the output is one JSON
+            value valid under it.
+        json_object: True: the output is any JSON object.
+        regex: the output matches this regular expression (whole output).
+        choice: the output is exactly one of these strings.
+        grammar: an EBNF grammar (GBNF as llama.cpp writes it; rule `root`).
+    Raises:
+        ValueError from __post_init__ when not exactly one field is set or a
+        value has the wrong type (an invalid schema, regex or grammar is found
+        when it is compiled: pagedserve.structured_output).
+    """
+
+    json: dict | str | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    FIELDS = ("json", "json_object", "regex", "choice", "grammar")
+
+    def __post_init__(self) -> None:
+        set_ = [name for name in self.FIELDS if getattr(self, name) not in (None, False)]
+        if len(set_) != 1:
+            raise ValueError(f"structured outputs need exactly one of {', '.join(self.FIELDS)}; got "
+                             f"{', '.join(set_) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) and c for c in self.choice)):
+            raise ValueError("structured outputs' choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured outputs' {name} must be a non-empty string")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise ValueError("structured outputs' json must be a JSON schema (an object or its JSON text)")
+
+    @property
+    def kind(self) -> str:
+        """The name of the field that is set."""
+        return next(name for name in self.FIELDS if getattr(self, name) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical text of the constraint): equal keys compile to the same grammar."""
+        value: Any = getattr(self, self.kind)
+        if self.kind == "json" and isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        elif self.kind == "choice":
+            value = json.dumps(value)
+        return self.kind, str(value)
 
 
 @dataclass
@@ -49,6 +110,8 @@ class SamplingParams:
             top_logprobs).
         prompt_logprobs: None, or 0..20: the same for every prompt token after
             the first (vLLM; OpenAI completions' echo + logprobs).
+        structured_outputs: None, or a StructuredOutputsParams constraining
+            every choice's output (JSON schema, regex, choice, grammar).
     Raises:
         ValueError from __post_init__ on an out-of-range value.
     """
@@ -69,6 +132,7 @@ class SamplingParams:
     min_p: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

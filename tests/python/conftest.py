@@ -31,6 +31,23 @@ def tiny_llama_dir(tmp_path_factory):
     return str(path)
 
 
+def make_tiny_chat_model(smollm2_dir: str, path, max_position_embeddings: int) -> str:
+    """Saves into `path` a 2-layer random Llama with SmolLM2's tokenizer
+    (vocabulary, special tokens, chat template); returns the folder."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_position_embeddings, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         tie_word_embeddings=True)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """Folder of the converted default model (converts on first use, ~30 s)."""

@@ -23,16 +23,17 @@ def free_port() -> int:
 
 
 def start_server(*args: str, env: dict | None = None, log: str | None = None,
-                 ready_path: str = "/health") -> tuple[subprocess.Popen, str]:
+                 ready_path: str = "/health", command: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """Starts the server with extra CLI args; returns (process, base URL) once
-    `ready_path` answers 200. Its output goes to the file `log` (a temporary
+    `ready_path` answers 200. command: what comes before --port and args
+    (default: python -m pagedserve.server). Its output goes to the file `log` (a temporary
     file when None; never an unread pipe, which would stall a chatty server),
     and the end of it is in the error when the server dies while starting."""
     port = free_port()
     if log is None:
         log = tempfile.mkstemp(prefix="pagedserve-server-", suffix=".log")[1]
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "pagedserve.server", "--port", str(port), *args],
+        proc = subprocess.Popen([*(command or [sys.executable, "-m", "pagedserve.server"]), "--port", str(port), *args],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
     proc.log = log

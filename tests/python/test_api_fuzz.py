@@ -79,19 +79,9 @@ REFUSED = (set(CompletionRequest.UNIMPLEMENTED) | set(ChatCompletionRequest.UNIM
 def tiny_chat_model_dir(smollm2_dir, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's tokenizer (vocabulary, special
     tokens, chat template)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+    from conftest import make_tiny_chat_model
 
-    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
-                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
-    path = tmp_path_factory.mktemp("tiny_chat_llama")
-    LlamaForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_chat_llama"), MAX_MODEL_LEN)
 
 
 @dataclasses.dataclass

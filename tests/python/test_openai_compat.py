@@ -191,9 +191,7 @@ def test_body_that_is_not_json_is_a_json_400(server, headers):
 
 
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-     "tools"),
-    ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+    ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
     ("/v1/chat/completions", {"logit_bias": {"123": 5}}, "logit_bias"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " the end"}, "suffix"),

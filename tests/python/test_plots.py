@@ -1,11 +1,11 @@
 """--plot PATH writes a real PNG figure (matplotlib): the fragmentation experiment
 (run with and without --plot: the printed tables must not change) and
-bench/attention.py run end to end at tiny sizes; bench/throughput.py's and
-bench/prefix_cache.py's plot() draw made-up results (their runs need the model)."""
+bench/attention.py run end to end at tiny sizes; the throughput and prefix-cache
+benchmarks' plot() (pagedserve.bench) draw made-up results (their runs need the model)."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +34,8 @@ def run(*args: str) -> str:
 
 
 def load_bench(name: str):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The benchmark's module in the package (bench/<name>.py only calls its main())."""
+    return importlib.import_module(f"pagedserve.bench.{name}")
 
 
 def test_fragmentation_plot(tmp_path):

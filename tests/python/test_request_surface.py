@@ -31,16 +31,17 @@ HONOURED = {
     # chat
     "messages", "max_completion_tokens", "top_logprobs", "add_generation_prompt", "continue_final_message",
     "chat_template_kwargs", "documents", "reasoning_effort", "modalities",
+    # structured outputs (test_structured_outputs.py) and tools (test_tool_calls.py)
+    "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
+    "tools", "tool_choice", "parallel_tool_calls",
 }
 # accepted because they cannot change the text (or are refused in the cases where they would)
-HARMLESS = {"user", "store", "metadata", "service_tier", "parallel_tool_calls", "prediction",
-            "response_format", "tool_choice", "function_call"}
+HARMLESS = {"user", "store", "metadata", "service_tier", "prediction", "function_call"}
 # a value that turns each refused field on
 TURNED_ON = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"42": 5}, "min_tokens": 3, "include_stop_str_in_output": True, "guided_json": {"type": "object"},
-    "guided_regex": "a+", "guided_choice": ["a", "b"], "guided_grammar": "root ::= \"a\"",
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ", "structured_outputs": {"regex": "a"},
+    "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"42": 5}, "min_tokens": 3, "include_stop_str_in_output": True,
+    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
     "use_beam_search": True, "length_penalty": 0.5, "allowed_token_ids": [1, 2], "bad_words": ["red"],
     "logits_processors": ["x"], "prompt_logprobs": 1, "truncate_prompt_tokens": 4,
     "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True, "priority": 1,
@@ -172,9 +173,10 @@ def test_continue_final_message_continues_the_given_text(server):
     ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs.add_generation_prompt"),
     ({"documents": [{"title": "t", "text": "x"}]}, "documents"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
-    ({"messages": [{"role": "assistant", "content": None,
+    ({"messages": [{"role": "assistant", "content": None,  # SmolLM2's own template shows no tool calls
                     "tool_calls": [{"id": "1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]},
      "messages.0.tool_calls"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
 ])
 def test_template_requests_the_template_cannot_do_are_refused_by_name(server, extra, param):
     r = post(server, "/v1/chat/completions", {**CONTINUE, **extra})

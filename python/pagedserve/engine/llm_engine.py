@@ -30,6 +30,7 @@ from ..model.loader import load_config, load_model
 from ..model.runner import ModelRunner, check_prompt, hf_reference_logits, use_onednn_linear
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
+from ..templates import load_chat_template
 from .outputs import Logprob, RequestOutput
 from .request import Request
 
@@ -55,7 +56,7 @@ class LLMEngine:
         args: EngineArgs (defaults when None).
     Raises:
         TypeError / ValueError on a bad argument (EngineArgs); ValueError when
-        the KV store cannot be allocated; pagedserve.errors.ModelLoadError for a
+        the KV store cannot be allocated or the chat template cannot be read; pagedserve.errors.ModelLoadError for a
         checkpoint that does not match its model or a model-level feature the
         runner lacks (final logit soft-capping);
         pagedserve.errors.BackendUnavailableError when no backend (or not the
@@ -98,6 +99,10 @@ class LLMEngine:
         loaded = load_model(path, name, hf_config, dtype=self.dtype, device=self.device,
                             attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
         self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
+        if args.chat_template is not None:
+            if self.tokenizer is None:
+                raise ValueError("chat_template needs the model's tokenizer (do not skip_tokenizer_init)")
+            self.tokenizer.chat_template = load_chat_template(args.chat_template)
         late = backend_cls.unsupported_features(attention_features(hf_config, self.max_model_len, self.model))
         if late:  # parameters the config did not announce (attention sinks)
             raise ModelLoadError(f"{name} needs {', '.join(late)}, which the {backend_cls.name} backend does "
@@ -137,6 +142,7 @@ class LLMEngine:
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
+        self._structured_output = None  # StructuredOutputManager, built on the first constrained request
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
         self.metrics = EngineMetrics(self.model_name, self.max_model_len,
@@ -200,6 +206,19 @@ class LLMEngine:
         return sorted(ids)
 
     # ---- requests -------------------------------------------------------
+    @property
+    def structured_output(self):
+        """The StructuredOutputManager of this model's tokenizer (built on first
+        use: ~0.2 s). Raises ValueError when the engine has no tokenizer."""
+        if self._structured_output is None:
+            if self.tokenizer is None:
+                raise ValueError("structured outputs need the model's tokenizer; this engine has none")
+            from ..structured_output import StructuredOutputManager
+
+            self._structured_output = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
+                                                              self.eos_token_ids)
+        return self._structured_output
+
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> token ids (token-id prompts pass through unchanged).
         add_special_tokens: let the tokenizer add its BOS etc. around text.
@@ -226,7 +245,9 @@ class LLMEngine:
             never be served: empty prompt, longer than max_model_len with
             max_tokens, more KV blocks than the pool, bad token ids, n above
             max_num_seqs, a priority the scheduling policy does not honour or
-            outside int32; TypeError for a priority that is not an int.
+            outside int32; pagedserve.errors.InvalidStructuredOutputError (a
+            ValueError) for a structured-output constraint that does not
+            compile; TypeError for a priority that is not an int.
         """
         params = params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -236,7 +257,12 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
         # Everything that can fail is built before the scheduler holds the request.
-        req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer)
+        grammars = None
+        if params.structured_outputs is not None:
+            compiled = self.structured_output.compile(params.structured_outputs)
+            grammars = self.structured_output.new_states(compiled, params.n)
+        req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
+                             grammars)
         req.priority = priority
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
                                   params.stop_token_ids)
@@ -292,8 +318,9 @@ class LLMEngine:
         for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
             req, first = self.requests[request_ids[b]], seq_indices[b]
             choices = [req.choices[first + j] for j in range(k)]
+            grammars = [c.grammar for c in choices] if req.params.structured_outputs is not None else None
             rows.append(SamplingRow(req.params, [c.generator for c in choices], req.prompt_token_ids,
-                                    [c.output_token_ids for c in choices]))
+                                    [c.output_token_ids for c in choices], grammars))
             slots += [(req.request_id, first + j) for j in range(k)]
         sampled = self.sampler(logits, rows)
         logprob_of = {}
@@ -306,13 +333,28 @@ class LLMEngine:
             req = self.requests[upd.request_id]
             choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
+            grammar_ended = choice.grammar is not None and self._advance_grammar(choice, upd.token_id)
             if choice.append_token(upd.token_id, logprob_of.get((req.request_id, upd.index))):
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop", stop_string=True)
             elif upd.finished:
                 choice.finish(upd.finish_reason_str)
+            elif grammar_ended:  # e.g. ignore_eos: the grammar allows nothing after its end
+                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
+                choice.finish("stop")
             touched[req.request_id] = req
         return self._make_outputs(touched.values(), len(sampled.token_ids))
+
+    @staticmethod
+    def _advance_grammar(choice, token_id: int) -> bool:
+        """Feeds a sampled token to the choice's grammar; True when the grammar
+        has ended (accepted its stop token). A token the grammar refuses cannot
+        be sampled through the mask; should one arrive, it is logged and the
+        choice ends."""
+        if not choice.grammar.accept(token_id):
+            logger.error("token %d refused by the grammar of a constrained choice; ending it", token_id)
+            return True
+        return choice.grammar.terminated
 
     def _make_outputs(self, reqs, num_generated: int) -> list[RequestOutput]:
         """RequestOutputs of the requests that got tokens this step; timings and metrics."""

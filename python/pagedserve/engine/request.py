@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -13,6 +14,9 @@ from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .stop import StopStringMatcher
+
+if TYPE_CHECKING:
+    from ..structured_output import GrammarState
 
 
 @dataclass
@@ -28,6 +32,7 @@ class Choice:
     emitted_tokens: int = 0  # output tokens already handed out
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None  # one per output token when requested
+    grammar: GrammarState | None = None  # where the output stands in its constraint (structured outputs)
 
     def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:
         """Adds a sampled token (and its Logprob, if the request wants logprobs) and
@@ -90,8 +95,10 @@ class Request:
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-               tokenizer) -> Request:
-        """Builds the request and its n choices (detokenizers, stop matchers, generators)."""
+               tokenizer, grammars: list[GrammarState] | None = None) -> Request:
+        """Builds the request and its n choices (detokenizers, stop matchers,
+        generators; grammars: one GrammarState per choice for a constrained
+        request, else None)."""
         choices = []
         for i in range(params.n):
             detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
@@ -99,7 +106,8 @@ class Request:
             seed = params.choice_seed(i)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
             choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop),
-                                  logprobs=[] if params.logprobs is not None else None))
+                                  logprobs=[] if params.logprobs is not None else None,
+                                  grammar=grammars[i] if grammars else None))
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         return cls(request_id, prompt, prompt_token_ids, params, choices, prompt_logprobs=prompt_logprobs)
 

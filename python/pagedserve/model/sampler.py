@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from ..structured_output import GrammarState
 
 TopLogprobs = list[tuple[int, float]]
 
@@ -24,12 +28,16 @@ class SamplingRow:
         prompt_token_ids: the request's prompt (repetition penalty only).
         output_token_ids: per draw, that choice's output tokens so far (same
             length as generators; read only when params.has_penalties).
+        grammars: per draw, that choice's GrammarState (structured outputs:
+            tokens its grammar cannot take next are masked before penalties
+            and sampling), or None for an unconstrained row.
     """
 
     params: SamplingParams
     generators: list[torch.Generator | None]
     prompt_token_ids: Sequence[int]
     output_token_ids: list[Sequence[int]]
+    grammars: list[GrammarState] | None = None
 
 
 @dataclass
@@ -121,11 +129,13 @@ def _draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Genera
 
 
 class Sampler:
-    """Rows without penalties: greedy ones by one batched argmax, the others by
-    temperature, min-p, top-k, top-p, then a multinomial draw from each choice's
-    own torch.Generator (so a seeded request samples the same tokens whatever
-    else is in the batch). Rows with penalties: the same per draw, on logits
-    penalised with that choice's own output (vLLM's order)."""
+    """Rows without penalties or grammar: greedy ones by one batched argmax, the
+    others by temperature, min-p, top-k, top-p, then a multinomial draw from
+    each choice's own torch.Generator (so a seeded request samples the same
+    tokens whatever else is in the batch). Rows with penalties or a grammar:
+    the same per draw, on that choice's logits masked by its grammar, then
+    penalised with its own output (vLLM's order). Unconstrained rows never wait
+    for a grammar."""
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [S, V] float32 raw model logits, row i for rows[i].
@@ -145,7 +155,7 @@ class Sampler:
             p, gens = row.params, row.generators
             if len(row.output_token_ids) != len(gens):
                 raise ValueError(f"row {i}: {len(gens)} generators but {len(row.output_token_ids)} output_token_ids")
-            if not p.has_penalties:
+            if not p.has_penalties and row.grammars is None:
                 drawn = [argmax[i]] * len(gens) if p.greedy else _draw(logits[i], p, gens, argmax[i])
             else:
                 prompt_mask = None
@@ -153,8 +163,11 @@ class Sampler:
                     prompt_mask = torch.zeros(logits.shape[1], dtype=torch.bool, device=logits.device)
                     prompt_mask[torch.as_tensor(row.prompt_token_ids, dtype=torch.long, device=logits.device)] = True
                 drawn = []
-                for g, out in zip(gens, row.output_token_ids):
-                    x = apply_penalties(logits[i], prompt_mask, out, p)
+                grammars = row.grammars or [None] * len(gens)
+                for g, out, grammar in zip(gens, row.output_token_ids, grammars):
+                    x = grammar.mask_logits(logits[i]) if grammar is not None else logits[i]
+                    if p.has_penalties:
+                        x = apply_penalties(x, prompt_mask, out, p)
                     best = int(torch.argmax(x))
                     drawn += [best] if p.greedy else _draw(x, p, [g], best)
             tokens += drawn

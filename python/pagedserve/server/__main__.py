@@ -13,10 +13,28 @@ import uvicorn
 from ..config import EngineArgs, parse_bytes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The server's flags: its own (host, port, API key, ...) and one per EngineArgs field."""
-    p = argparse.ArgumentParser(prog="python -m pagedserve.server", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+class _ServerArgumentParser(argparse.ArgumentParser):
+    """ArgumentParser that folds the optional positional MODEL into ``args.model``
+    (as --model), so every caller of build_parser() sees one model field; giving
+    both is a usage error (exit status 2)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extras = super().parse_known_args(args, namespace)
+        positional = vars(ns).pop("model_positional", None)
+        if positional is not None:
+            if ns.model is not None:
+                self.error(f"the model is given twice (MODEL {positional!r} and --model {ns.model!r}): give one")
+            ns.model = positional
+        return ns, extras
+
+
+def build_parser(prog: str = "python -m pagedserve.server") -> argparse.ArgumentParser:
+    """The server's flags: an optional positional MODEL (the same as --model), its
+    own flags (host, port, API key, ...) and one per EngineArgs field.
+    prog: the command name --help and usage errors show (``pagedserve serve`` shares this parser)."""
+    p = _ServerArgumentParser(prog=prog, description=__doc__,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("model_positional", nargs="?", metavar="MODEL", default=None, help="the same as --model")
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--api-key", default=os.environ.get("PAGEDSERVE_API_KEY"),
@@ -56,8 +74,10 @@ class GracefulServer(uvicorn.Server):
                 handle.cancel()
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m pagedserve.server") -> None:
+    """Parses argv (default sys.argv[1:]) with build_parser(prog) and serves until SIGTERM/SIGINT.
+    Exits with a one-line reason when the engine cannot start."""
+    args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm_engine import LLMEngine

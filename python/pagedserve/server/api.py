@@ -1,5 +1,6 @@
 """The FastAPI app: OpenAI-compatible endpoints over an AsyncLLMEngine, plus
-/health, /version, /tokenize, /detokenize and Prometheus /metrics.
+/health, /version, /tokenize, /detokenize, Prometheus /metrics and a web chat
+page at / (its files in static/, served under /static).
 
 Errors are OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a
 4xx status; the engine keeps serving after any of them. A client that goes
@@ -8,8 +9,11 @@ away (streaming or not) has its requests aborted, which frees their KV blocks.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import FileResponse, Response
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
 from starlette.concurrency import run_in_threadpool
@@ -36,6 +40,7 @@ from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+STATIC_DIR = Path(__file__).parent / "static"  # the web chat page (plain HTML/CSS/JS)
 
 # What /openapi.json documents (schemathesis checks the server against it): every
 # error is an ErrorResponse; a streamed answer is text/event-stream.
@@ -92,6 +97,12 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
     core = engine.engine
     completion, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def web_chat():
+        """The web chat page (outside /v1: it asks for the API key itself when /v1 answers 401)."""
+        return FileResponse(STATIC_DIR / "index.html")
 
     @app.get("/health")
     async def health():

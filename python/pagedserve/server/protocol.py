@@ -7,6 +7,7 @@ ignored, as vLLM and other OpenAI-compatible servers do."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, ClassVar, Literal
@@ -16,6 +17,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def _json_object_or_text(text: str):
+    """text parsed when it is a JSON object, else text itself."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class RequestBody(BaseModel):
@@ -60,17 +70,18 @@ class _Request(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted, unused
-    # Accepted only when they would not change the result, else a 400 names them:
-    # tools, functions and logit_bias through UNIMPLEMENTED; tool_choice,
-    # function_call and response_format, with several harmless values, in
-    # serving.OpenAIServing.reject_unsupported
+    # Structured outputs (server/structured_outputs.py): response_format
+    # json_object / json_schema and vLLM's guided_* and structured_outputs.
+    # Tools and tool_choice: chat only (server/tool_calls.py); completions
+    # refuses them. functions, function_call (OpenAI's deprecated names) and
+    # logit_bias are refused when they would change the result.
     logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
     functions: list | None = None
     function_call: str | dict | None = None
-    parallel_tool_calls: bool | None = None  # harmless without tools
+    parallel_tool_calls: bool | None = None  # tool_choice required: several calls only when true
     # OpenAI fields that do not change the text: accepted, unused
     store: bool | None = None
     metadata: dict | None = None
@@ -78,18 +89,19 @@ class _Request(RequestBody):
     # vLLM's priority: lower is served first, under --scheduling-policy priority
     # (another policy refuses a value other than 0 with a 400, as vLLM does)
     priority: int = Field(default=0, ge=-(2**31), le=2**31 - 1)
+    # vLLM's structured outputs (older guided_* names and the newer object)
+    guided_json: str | dict | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     # vLLM extensions that would change the result and are not implemented:
     # accepted only with the value that means "off", else a 400 names them
     # (UNIMPLEMENTED)
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
-    guided_json: str | dict | None = None
-    guided_regex: str | None = None
-    guided_choice: list | None = None
-    guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
-    structured_outputs: dict | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     allowed_token_ids: list[int] | None = None
@@ -102,9 +114,8 @@ class _Request(RequestBody):
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "tools", "functions", "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_json", "guided_regex", "guided_choice",
-        "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs",
-        "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+        "functions", "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_decoding_backend",
+        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
         "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
 
@@ -134,7 +145,7 @@ class CompletionRequest(_Request):
     suffix: str | None = None
     add_special_tokens: bool = True  # vLLM: the tokenizer's BOS etc. around a text prompt
 
-    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = _Request.UNIMPLEMENTED + ("suffix",)
+    UNIMPLEMENTED: ClassVar[tuple[str, ...]] = _Request.UNIMPLEMENTED + ("suffix", "tools")
 
 
 class ChatContentPart(RequestBody):
@@ -142,18 +153,39 @@ class ChatContentPart(RequestBody):
     text: str
 
 
+class FunctionCall(RequestBody):
+    name: str
+    arguments: str  # a JSON object as text (OpenAI's form)
+
+
+class ToolCall(RequestBody):
+    """One tool call of an assistant message (in a request or an answer)."""
+
+    id: str = Field(default_factory=lambda: random_id("call"))
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestBody):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ChatContentPart] | None = None  # None: an assistant turn without text
     name: str | None = None  # given to the chat template (most templates do not show it)
-    tool_calls: list | None = None  # refused when non-empty: this server has no tool calling
-    tool_call_id: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn's calls (given back in the next request)
+    tool_call_id: str | None = None  # a tool turn: the call it answers
 
-    def template_dict(self) -> dict[str, str]:
-        """The message as the chat template sees it: role, content text, name if given."""
-        out = {"role": self.template_role, "content": self.text()}
+    def template_dict(self) -> dict:
+        """The message as the chat template sees it: role, content text, name,
+        tool calls (arguments as an object, as Hugging Face templates expect
+        them; text that is not a JSON object stays text) and tool_call_id if given."""
+        out: dict = {"role": self.template_role, "content": self.text()}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_object_or_text(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
         return out
 
     def text(self) -> str:
@@ -245,7 +277,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatTopLogprob(BaseModel):
@@ -280,7 +313,7 @@ class ChatCompletionResponse(BaseModel):
 
 class ChatChunkChoice(BaseModel):
     index: int
-    delta: dict[str, str]
+    delta: dict[str, Any]  # role, content, or tool_calls (each with its index; see tool_calls.py)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
 

@@ -17,7 +17,7 @@ from fastapi import Request
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.outputs import RequestOutput
 from ..engine.token_bytes import TokenBytes
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, ClientDisconnected
 from .protocol import PromptTokensDetails, UsageInfo, _Request
 
@@ -77,6 +77,8 @@ class OpenAIServing:
         self.model_name = self.core.model_name
         tok = self.core.tokenizer
         self.token_bytes = TokenBytes(tok) if tok is not None else (lambda token_id: str(token_id).encode())
+        if tok is not None:
+            _ = self.core.structured_output  # build the grammar compiler now (~0.2 s), not in the first request
 
     # ---- request checks ---------------------------------------------------
     def check_model(self, name: str | None) -> None:
@@ -92,12 +94,10 @@ class OpenAIServing:
         def refuse(param: str, why: str = "is not supported by this server"):
             raise APIError(400, f"`{param}` {why}", param=param, code="unsupported_parameter")
 
-        if req.tool_choice not in (None, "none", "auto"):
-            refuse("tool_choice")
+        if "tools" in req.UNIMPLEMENTED and req.tool_choice not in (None, "none", "auto"):
+            refuse("tool_choice", "needs tools, which only /v1/chat/completions takes")
         if req.function_call not in (None, "none", "auto"):
-            refuse("function_call")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            refuse("response_format", "other than {\"type\": \"text\"} is not supported by this server")
+            refuse("function_call", "is not supported by this server (use tools and tool_choice)")
         name = req.unimplemented_in_use()
         if name is not None:
             refuse(name)
@@ -111,9 +111,11 @@ class OpenAIServing:
             refuse("priority", f"is only honoured with --scheduling-policy priority (this server runs {policy})")
 
     def sampling_params(self, req: _Request, max_tokens: int | None, prompt_len: int, *,
-                        logprobs: int | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                        logprobs: int | None = None, prompt_logprobs: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """SamplingParams of one prompt; max_tokens None = what the context leaves
-        (as OpenAI/vLLM). Raises APIError 400 on a value SamplingParams refuses."""
+        (as OpenAI/vLLM); structured_outputs: the output constraint, if any.
+        Raises APIError 400 on a value SamplingParams refuses."""
         if max_tokens is None:  # as many as the context leaves (OpenAI/vLLM)
             if prompt_len >= self.core.max_model_len:
                 raise APIError(400, f"this model's maximum context length is {self.core.max_model_len} tokens, "
@@ -126,7 +128,8 @@ class OpenAIServing:
                 presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                 repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
                 stop=req.stop or [], stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+                skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                structured_outputs=structured_outputs)
         except ValueError as e:
             raise APIError(400, str(e)) from e
 

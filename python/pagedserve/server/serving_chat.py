@@ -1,5 +1,6 @@
 """POST /v1/chat/completions (vLLM's serving_chat.py): the model's chat template
-(through transformers) renders the messages; n choices, logprobs, streaming."""
+(through transformers) renders the messages (and the tools); n choices,
+logprobs, structured outputs, tool calls, streaming."""
 
 from __future__ import annotations
 
@@ -28,6 +29,8 @@ from .protocol import (
     random_id,
 )
 from .serving import SSE_DONE, OpenAIServing, sse, usage_of
+from .structured_outputs import check_compiles, constraint_of
+from .tool_calls import ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
 
 
 # apply_chat_template's own arguments and what the server passes itself
@@ -43,17 +46,34 @@ def template_variables(source: str) -> frozenset[str]:
     return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
 
 
+def template_source(tok) -> str:
+    """The tokenizer's chat template text (of named templates, the default one)."""
+    source = tok.chat_template or ""
+    return source.get("default", "") if isinstance(source, dict) else source
+
+
+def template_reads_tools(tok) -> bool:
+    """Whether the chat template renders `tools` (a named "tool_use" template counts)."""
+    if isinstance(tok.chat_template, dict) and "tool_use" in tok.chat_template:
+        return True
+    try:
+        return "tools" in template_variables(template_source(tok))
+    except jinja2.TemplateError:
+        return False
+
+
 class OpenAIServingChat(OpenAIServing):
     """Answers ChatCompletionRequests."""
 
     def render(self, messages: list[ChatMessage], template: ChatTemplateFields,
-               add_special_tokens: bool = False) -> list[int]:
+               add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
         """Messages -> prompt token ids through the tokenizer's chat template
-        (transformers' apply_chat_template), with the request's template fields.
+        (transformers' apply_chat_template), with the request's template fields
+        and the tools to show the model (None: none).
 
         Raises:
-            APIError 400: empty messages, no chat template, a message this server
-                cannot render (tool calls), continue_final_message with
+            APIError 400: empty messages, no chat template, tool calls or tool
+                results the template cannot render, continue_final_message with
                 add_generation_prompt or without a final assistant message, a
                 template variable the model's template does not read (named).
         """
@@ -65,10 +85,12 @@ class OpenAIServingChat(OpenAIServing):
         for i, m in enumerate(messages):
             if m.content is None and m.role != "assistant":
                 raise APIError(400, "only assistant messages may have no content", param=f"messages.{i}.content")
-            if m.tool_calls or m.tool_call_id is not None:
-                param = "tool_calls" if m.tool_calls else "tool_call_id"
-                raise APIError(400, f"`{param}` is not supported by this server (no tool calling)",
-                               param=f"messages.{i}.{param}", code="unsupported_parameter")
+            if m.tool_calls and "tool_calls" not in template_source(tok):
+                raise APIError(400, "this model's chat template cannot render an assistant's tool calls; start the "
+                                    "server with --chat-template chatml-tools (ChatML models) or a template file "
+                                    "that renders them", param=f"messages.{i}.tool_calls", code="unsupported_parameter")
+            if m.tool_calls and m.role != "assistant":
+                raise APIError(400, "only assistant messages have tool calls", param=f"messages.{i}.tool_calls")
         if template.continue_final_message:
             if template.add_generation_prompt:
                 raise APIError(400, "`continue_final_message` cannot be combined with `add_generation_prompt: true` "
@@ -80,7 +102,8 @@ class OpenAIServingChat(OpenAIServing):
         extra = self._template_extras(tok, template)
         try:
             text = tok.apply_chat_template(
-                [m.template_dict() for m in messages], documents=template.documents or None, tokenize=False,
+                [m.template_dict() for m in messages], tools=tools, documents=template.documents or None,
+                tokenize=False,
                 add_generation_prompt=template.add_generation_prompt,
                 continue_final_message=template.continue_final_message, **extra)
             return tok(text, add_special_tokens=add_special_tokens).input_ids
@@ -107,9 +130,7 @@ class OpenAIServingChat(OpenAIServing):
             asked["documents"] = "documents"
         if not asked:
             return extra
-        source = tok.chat_template
-        if isinstance(source, dict):  # named templates: the one used without tools
-            source = source.get("default", "")
+        source = template_source(tok)
         try:
             variables = template_variables(source)
         except jinja2.TemplateError as e:
@@ -127,24 +148,40 @@ class OpenAIServingChat(OpenAIServing):
         self.reject_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
-        ids = await run_in_threadpool(self.render, req.messages, req, req.add_special_tokens)  # off the event loop
+        tok = self.core.tokenizer
+        plan = plan_tools(req, tok is not None and template_reads_tools(tok))
+        constraint = constraint_of(req)
+        if plan.constraint is not None:
+            if constraint is not None:
+                raise APIError(400, f"`{constraint[1]}` cannot be combined with tool_choice {plan.mode} "
+                                    "(which constrains the output to tool calls)", param=constraint[1])
+            constraint = (plan.constraint, "tools")
+        if constraint is not None:
+            await check_compiles(self.core, *constraint)
+        ids = await run_in_threadpool(self.render, req.messages, req, req.add_special_tokens,
+                                      plan.tools)  # off the event loop
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs)
+        params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs,
+                                      structured_outputs=constraint[0] if constraint else None)
         request_id = random_id("chatcmpl")
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
 
+            def choice(c) -> ChatChoice:
+                content, calls = parse_output(plan, c.text)
+                return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                                  logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                                  finish_reason=finish_reason(c.finish_reason, calls))
+
             def response() -> ChatCompletionResponse:
-                return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]), choices=[
-                    ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                               logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                               finish_reason=c.finish_reason) for c in out.outputs])
+                return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]),
+                                              choices=[choice(c) for c in out.outputs])
 
             return await run_in_threadpool(response) if req.logprobs else response()
         _, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-        return StreamingResponse(self._stream(req, request_id, outputs), media_type="text/event-stream")
+        return StreamingResponse(self._stream(req, plan, request_id, outputs), media_type="text/event-stream")
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str,
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
 
@@ -156,6 +193,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             done: set[int] = set()
+            streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
             last: RequestOutput | None = None  # the outputs always hold at least the first one
             async for _, out in outputs:
                 last = out
@@ -163,11 +201,17 @@ class OpenAIServingChat(OpenAIServing):
                     if c.index in done:
                         continue
                     lp = self._logprobs(c.delta_logprobs) if req.logprobs and c.delta_token_ids else None
-                    if c.delta_text or lp:
-                        yield chunk(c.index, {"content": c.delta_text}, logprobs=lp)
+                    deltas = streamers[c.index].feed(c.delta_text)
+                    if lp and not deltas:  # the logprobs of tokens whose text is held back
+                        deltas = [{"content": ""}] if plan.mode == "none" else [{}]
+                    for k, delta in enumerate(deltas):
+                        yield chunk(c.index, delta, logprobs=lp if k == 0 else None)
                     if c.finish_reason:
                         done.add(c.index)
-                        yield chunk(c.index, {}, c.finish_reason)
+                        deltas, reason = streamers[c.index].finish(c.finish_reason)
+                        for delta in deltas:
+                            yield chunk(c.index, delta)
+                        yield chunk(c.index, {}, reason)
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                               usage=usage_of([last])))

@@ -14,6 +14,7 @@ from .errors import APIError
 from .logprobs import completion_logprobs
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
 from .serving import SSE_DONE, OpenAIServing, sse, usage_of
+from .structured_outputs import check_compiles, constraint_of
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -36,9 +37,13 @@ class OpenAIServingCompletion(OpenAIServing):
         # tokenizing (and below, building a large logprobs response) runs on a worker
         # thread: the event loop keeps streaming other requests and noticing disconnects
         prompts = await run_in_threadpool(self.prompts, req.prompt, req.add_special_tokens)
+        constraint = constraint_of(req)
+        if constraint is not None:
+            await check_compiles(self.core, *constraint)
         prompt_logprobs = req.logprobs if req.echo else None
         params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
-                                       prompt_logprobs=prompt_logprobs) for p in prompts]
+                                       prompt_logprobs=prompt_logprobs,
+                                       structured_outputs=constraint[0] if constraint else None) for p in prompts]
         request_id = random_id("cmpl")
         if not req.stream:
             outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority)

@@ -1,0 +1,147 @@
+"""Throughput: sequential HF generate() vs HF static batching vs PagedServe, in one process.
+
+N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
+EOS ignored, float32 (the Hugging Face baselines run in float32 too). Each system first runs a
+short untimed warm-up. Prints tokens/s of each and the ratios, and how many
+PagedServe outputs equal static batching's (float32 rounding differs between a
+padded batch and a packed one, so a near-tie can flip a token).
+
+    pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--plot PATH]
+
+(from a checkout, ``python bench/throughput.py`` takes the same flags)
+
+--plot PATH also writes the table as a PNG figure (needs matplotlib, the
+``bench`` extra): output tokens/s and wall time per system. --constrained K
+adds a PagedServe run with K of the requests under a grammar (structured
+outputs) and prints what that costs the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import time
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
+from pagedserve.experiments import plots
+from pagedserve.kernels import backend_names
+
+
+def plot(results: list[tuple[str, float, float]], path: str, title: str = "") -> str:
+    """Writes a two-panel bar PNG to path and returns path. Left: output tokens/s
+    of each system, labelled with its ratio to static batching where that ran;
+    right: wall time of the timed run (s). results: (system, seconds, tokens/s) rows."""
+    names = [n.replace(", ", ",\n") for n, _, _ in results]
+    base = next((tps for n, _, tps in results if "static" in n), None)
+    fig, (tps_ax, time_ax) = plots.new_figure(ncols=2)
+    plots.draw_bars(tps_ax, names, {"output tokens/s": [tps for _, _, tps in results]}, ylabel="output tokens/s",
+                    title="throughput (higher is better)")
+    plots.label_bars(tps_ax, (lambda v: f"{v:.1f} ({v / base:.2f}x)") if base else "{:.1f}")
+    plots.draw_bars(time_ax, names, {"wall time": [dt for _, dt, _ in results]}, ylabel="time (s)",
+                    title="wall time (lower is better)")
+    plots.label_bars(time_ax, "{:.2f}")
+    for ax in (tps_ax, time_ax):
+        ax.tick_params(axis="x", labelsize="small")
+        ax.get_legend().remove()  # one series: the panel title says what it is
+    return plots.save(fig, path, suptitle=title)
+
+
+def constrained_row(llm, prompts, params, outs, k: int) -> None:
+    """Measures the same batch with the first k requests constrained by a regex
+    grammar (words and spaces) against it unconstrained, alternating the two
+    runs twice (A B A B: a warm-up or a busy moment hits both) and keeping each
+    one's best; tokens/s from the tokens really produced (the grammar may end a
+    request early). Prints the ratio (not a table row: its runs are warmer than
+    the table's) and checks that
+    the unconstrained requests produced the same tokens as without it."""
+    grammar = StructuredOutputsParams(regex=r"([a-zA-Z]+ )*[a-zA-Z]+")
+    mixed = [dataclasses.replace(params, structured_outputs=grammar)] * k + [params] * (len(prompts) - k)
+    best = {"plain": 0.0, "constrained": 0.0}
+    for _ in range(2):
+        for name, p in (("plain", params), ("constrained", mixed)):
+            t0 = time.perf_counter()
+            got = llm.generate(prompts, p, use_tqdm=False)
+            dt = time.perf_counter() - t0
+            best[name] = max(best[name], sum(len(o.outputs[0].token_ids) for o in got) / dt)
+    free = sum(a.outputs[0].token_ids == b.outputs[0].token_ids for a, b in zip(got[k:], outs[k:]))
+    ratio = best["constrained"] / best["plain"]
+    print(f"{k} constrained request(s) of {len(prompts)}, best of two alternating runs each: "
+          f"{best['constrained']:.1f} vs {best['plain']:.1f} output tokens/s unconstrained ({ratio:.3f}x, "
+          f"cost {100 * (1 - ratio):.1f}%); unconstrained requests unchanged: {free}/{len(prompts) - k}")
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the benchmark with command-line flags argv (default sys.argv[1:]) and prints its table.
+    prog: the command name --help shows (default: the script's file name)."""
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-requests", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
+    ap.add_argument("--no-onednn-linear", action="store_true", help="PagedServe with torch's default GEMMs")
+    ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
+    ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
+    ap.add_argument("--constrained", type=int, default=0, metavar="K",
+                    help="also run PagedServe with K of the requests under a grammar (structured outputs: a regex "
+                         "of words), the others as before, and print what the constraint costs")
+    args = ap.parse_args(argv)
+    if not 0 <= args.constrained <= args.num_requests:
+        ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
+    plots.require_writable(ap, args.plot)
+
+    llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
+              onednn_linear=not args.no_onednn_linear)
+    # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
+    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_requests)]
+    n_tokens = args.num_requests * args.output_len
+    rows = []
+
+    def timed(name, fn, warmup):
+        warmup()  # first calls pay one-off costs (allocator, kernels' first use): not timed
+        t0 = time.perf_counter()
+        result = fn()
+        dt = time.perf_counter() - t0
+        rows.append((name, dt, n_tokens / dt))
+        print(f"{name}: {dt:.2f} s", flush=True)
+        return result
+
+    few = prompts[:4]
+    if not args.skip_sequential:
+        timed("HF generate(), sequential", lambda: generate_sequential(model, prompts, args.output_len),
+              lambda: generate_sequential(model, few[:1], 4))
+    static = timed("HF generate(), static batch", lambda: generate_static_batch(model, prompts, args.output_len),
+                   lambda: generate_static_batch(model, few, 4))
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    outs = timed("PagedServe", lambda: llm.generate(prompts, params, use_tqdm=False),
+                 lambda: llm.generate(few, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False))
+    same = sum(o.outputs[0].token_ids == s for o, s in zip(outs, static))
+    if args.constrained:
+        constrained_row(llm, prompts, params, outs, args.constrained)
+
+    static_tps = next(r[2] for r in rows if "static" in r[0])
+    eng = llm.engine
+    variant = type(eng.backend).active_variant()
+    print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
+          f"greedy, float32, {torch.get_num_threads()} threads; PagedServe: attention backend {eng.backend.name}"
+          f"{f' ({variant} kernels)' if variant else ''}, linear layers: {eng.linear_path}")
+    print(f"| system | time (s) | output tokens/s | vs static batching |")
+    print(f"|---|---:|---:|---:|")
+    for name, dt, tps in rows:
+        print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
+    print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")
+    if args.plot:
+        plot(rows, args.plot, title=f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} "
+             f"output) tokens, greedy, float32, {torch.get_num_threads()} threads")
+
+
+if __name__ == "__main__":
+    main()

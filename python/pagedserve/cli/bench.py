@@ -1,0 +1,20 @@
+"""``pagedserve bench NAME [flags]``: the benchmarks of pagedserve.bench, each
+with its own flags (``pagedserve bench NAME --help``)."""
+
+from __future__ import annotations
+
+from .commands import Command, run_subcommand
+
+BENCHMARKS = {
+    "throughput": Command("sequential HF generate() vs HF static batching vs PagedServe: output tokens/s",
+                          "pagedserve.bench.throughput:main"),
+    "attention": Command("decode attention over the paged KV cache: latency and peak temporary memory per kernel",
+                         "pagedserve.bench.attention:main"),
+    "prefix-cache": Command("time to first token and total time with prefix caching on vs off",
+                            "pagedserve.bench.prefix_cache:main"),
+}
+
+
+def main(argv: list[str], prog: str = "pagedserve bench") -> None:
+    """Runs the benchmark named by argv[0] with the rest of argv as its flags."""
+    run_subcommand(prog, "Run one of PagedServe's benchmarks (each prints a Markdown table).", BENCHMARKS, argv)

@@ -1,0 +1,247 @@
+"""Tool calling on /v1/chat/completions: which tools the chat template shows,
+how `tool_choice` constrains the output, and how the output becomes
+`message.tool_calls` (whole, or as streamed `delta.tool_calls`).
+
+- "none" (the default without tools): tools are not rendered, the answer is text.
+- "auto" (the default with tools): the model decides; calls written in the
+  <tool_call>{"name": ..., "arguments": {...}}</tool_call> format (Hermes /
+  Qwen's, and PagedServe's chatml-tools template's) become tool calls.
+- "required": the output is constrained to a JSON array of
+  {"name": one of the tools, "arguments": its parameters} (as vLLM does):
+  exactly one unless parallel_tool_calls is true (then one or more).
+- a named function: the output is constrained to that function's parameters.
+A template that never reads `tools` cannot show them to the model: a request
+with tools (other than tool_choice "none") is then a 400 that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from ..sampling_params import StructuredOutputsParams
+from .errors import APIError
+from .protocol import ChatCompletionRequest, FunctionCall, ToolCall
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
+_NO_TOOL_FORMAT = ("this model's chat template has no tool format (it never reads `tools`), so the model would "
+                   "not see the tools; start the server with --chat-template chatml-tools (ChatML models such as "
+                   "SmolLM2) or a template file that renders tools")
+
+
+@dataclass
+class ToolPlan:
+    """What a chat request's tools mean for its generation.
+
+    Attributes:
+        mode: "none", "auto", "required" or "named".
+        tools: the tools to render through the chat template (None: render none).
+        names: the tools' function names.
+        constraint: the output constraint ("required", "named"), else None.
+        function_name: the named function ("named" only).
+        parallel: parallel_tool_calls (default False here, as llama.cpp's
+            server: at most one call; True: one or more).
+    """
+
+    mode: str
+    tools: list[dict] | None = None
+    names: tuple[str, ...] = ()
+    constraint: StructuredOutputsParams | None = None
+    function_name: str | None = None
+    parallel: bool = False
+
+
+def _check_tools(tools: list) -> list[dict]:
+    """The tools as OpenAI sends them; raises APIError 400 naming a malformed one."""
+    seen = set()
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
+                           param=f"tools.{i}")
+        name, params = fn.get("name"), fn.get("parameters", {})
+        if not isinstance(name, str) or not name:
+            raise APIError(400, "a tool's function needs a name", param=f"tools.{i}.function.name")
+        if name in seen:
+            raise APIError(400, f"two tools are named `{name}`", param=f"tools.{i}.function.name")
+        if not isinstance(params, dict):
+            raise APIError(400, "a tool's parameters must be a JSON schema object",
+                           param=f"tools.{i}.function.parameters")
+        seen.add(name)
+    return tools
+
+
+def _parameters(tool: dict) -> dict:
+    return tool["function"].get("parameters") or {"type": "object", "properties": {}}
+
+
+def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPlan:
+    """The ToolPlan of a chat request.
+
+    Args:
+        req: the request (tools, tool_choice, parallel_tool_calls).
+        template_reads_tools: whether the chat template renders `tools`.
+    Raises:
+        APIError 400: malformed tools or tool_choice, a named function that is
+        not among the tools, tool_choice required/named without tools, tools
+        the template cannot show.
+    """
+    tools = _check_tools(req.tools or [])
+    choice = req.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, dict):
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if choice.get("type", "function") != "function" or not isinstance(name, str):
+            raise APIError(400, "`tool_choice` must be none, auto, required or "
+                                "{\"type\": \"function\", \"function\": {\"name\": ...}}", param="tool_choice")
+        mode = "named"
+    elif choice in ("none", "auto", "required"):
+        mode, name = choice, None
+    else:
+        raise APIError(400, f"`tool_choice` must be none, auto, required or a named function, got {choice!r}",
+                       param="tool_choice")
+    if mode == "none" or (mode == "auto" and not tools):
+        return ToolPlan("none")
+    if not tools:
+        raise APIError(400, f"`tool_choice` {mode} needs `tools`", param="tool_choice")
+    if not template_reads_tools:
+        raise APIError(400, _NO_TOOL_FORMAT, param="tools", code="unsupported_parameter")
+    by_name = {t["function"]["name"]: t for t in tools}
+    parallel = req.parallel_tool_calls is True  # off unless asked (as llama.cpp's server): small models repeat calls
+    plan = ToolPlan(mode, tools, tuple(by_name), parallel=parallel)
+    if mode == "named":
+        if name not in by_name:
+            raise APIError(400, f"`tool_choice` names `{name}`, which is not among the tools",
+                           param="tool_choice.function.name")
+        plan.function_name = name
+        plan.constraint = StructuredOutputsParams(json=_parameters(by_name[name]))
+    elif mode == "required":
+        call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _parameters(t)},
+                 "required": ["name", "arguments"]} for n, t in by_name.items()]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        if not parallel:
+            schema["maxItems"] = 1
+        plan.constraint = StructuredOutputsParams(json=schema)
+    return plan
+
+
+def _call(name: str, arguments) -> ToolCall:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+    return ToolCall(function=FunctionCall(name=name, arguments=text))
+
+
+def parse_tagged_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
+    """Tool calls written as <tool_call>{"name": ..., "arguments": ...}</tool_call>
+    (the last one may lack its closing tag when the model ended there).
+
+    Returns (the text before the first call, stripped, or None when empty;
+    the calls). A block that is not such a JSON object naming one of `names`
+    leaves the whole text as content and no calls.
+    """
+    start = text.find(CALL_OPEN)
+    if start < 0:
+        return text, []
+    calls = []
+    for m in _CALL.finditer(text, start):
+        try:
+            obj = json.loads(m.group(1))
+        except ValueError:
+            return text, []
+        if not isinstance(obj, dict) or obj.get("name") not in names:
+            return text, []
+        calls.append(_call(obj["name"], obj.get("arguments", {})))
+    return text[:start].strip() or None, calls
+
+
+def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
+    """A finished choice's (content, tool calls) under `plan`. Output that does
+    not parse (a constrained one cut by max_tokens) stays content, no calls."""
+    if plan.mode == "named":
+        try:
+            json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(plan.function_name, text)]
+    if plan.mode == "required":
+        try:
+            items = json.loads(text)
+        except ValueError:
+            return text, []
+        return None, [_call(it["name"], it["arguments"]) for it in items]
+    if plan.mode == "auto":
+        return parse_tagged_calls(text, plan.names)
+    return text, []
+
+
+def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
+    """OpenAI's finish reason: "tool_calls" when the choice ended normally with calls."""
+    return "tool_calls" if calls and reason == "stop" else reason
+
+
+def _held_back(text: str) -> int:
+    """Characters at the end of `text` that may begin CALL_OPEN (held back while streaming)."""
+    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
+        if CALL_OPEN.startswith(text[-k:]):
+            return k
+    return 0
+
+
+class ToolCallStreamer:
+    """Turns one choice's streamed text into chat deltas under a ToolPlan.
+
+    named: the function's call opens with the first text, whose every delta is
+    a piece of its arguments. required: calls are sent when the output is
+    complete (the JSON array must be whole to be parsed). auto: text streams as
+    content until a <tool_call> opens (text that might begin one is held back),
+    the calls are sent when the output is complete.
+    """
+
+    def __init__(self, plan: ToolPlan) -> None:
+        self.plan = plan
+        self.text = ""
+        self.sent = 0  # characters of text already sent as content (auto)
+        self.in_call = False  # auto: a <tool_call> has opened
+        self.call: ToolCall | None = None  # named: the call being streamed
+
+    def feed(self, delta: str) -> list[dict]:
+        """The deltas to send for new text."""
+        self.text += delta
+        mode = self.plan.mode
+        if mode == "none":
+            return [{"content": delta}] if delta else []
+        if mode == "named":
+            if not delta:
+                return []
+            if self.call is None:
+                self.call = _call(self.plan.function_name, "")
+                return [{"tool_calls": [{"index": 0, "id": self.call.id, "type": "function",
+                                         "function": {"name": self.call.function.name, "arguments": delta}}]}]
+            return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}]
+        if mode == "required" or self.in_call:
+            return []
+        at = self.text.find(CALL_OPEN, max(0, self.sent - len(CALL_OPEN)))
+        end = at if at >= 0 else len(self.text) - _held_back(self.text)
+        self.in_call = at >= 0
+        piece, self.sent = self.text[self.sent:end], max(self.sent, end)
+        return [{"content": piece}] if piece else []
+
+    def finish(self, reason: str | None) -> tuple[list[dict], str | None]:
+        """The last deltas of a finished choice and its finish reason."""
+        mode = self.plan.mode
+        if mode == "none":
+            return [], reason
+        if mode == "named":
+            calls = parse_output(self.plan, self.text)[1]
+            return [], finish_reason(reason, calls)
+        content, calls = parse_output(self.plan, self.text)
+        if not calls:
+            rest = self.text[self.sent:]
+            return ([{"content": rest}] if rest else []), reason
+        # auto: the text before the first call was sent as content while it streamed
+        return [{"tool_calls": [{"index": i, "id": c.id, "type": "function",
+                                 "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                                for i, c in enumerate(calls)]}], finish_reason(reason, calls)
