@@ -107,6 +107,7 @@ def test_constraint_cut_by_max_tokens_ends_with_length(client):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
+    ({"guided_grammar": "root ::= root"}, "guided_grammar"),  # compiles, but admits no output at all
     ({"guided_choice": []}, None),  # empty list: unset, accepted
     ({"guided_choice": ["a", 3]}, "guided_choice.1"),
     ({"structured_outputs": {"json": {"type": "object"}, "regex": "a"}}, "structured_outputs"),

@@ -76,8 +76,17 @@ class StructuredOutputManager:
         """The compiled grammar of a constraint.
 
         Raises InvalidStructuredOutputError (a ValueError) naming the field
-        when the schema, regex or grammar is invalid or unsupported.
+        when the schema, regex or grammar is invalid or unsupported, or admits
+        no first token at all (e.g. a schema that only refers to itself).
         """
+        compiled = self._compile(params)
+        state = GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
+        state.matcher.fill_next_token_bitmask(state._bitmask)
+        if not bool(state._bitmask.any()):
+            raise InvalidStructuredOutputError(params.kind, f"invalid {_WHAT[params.kind]}: no output satisfies it")
+        return compiled
+
+    def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
         try:
             if kind == "json":
