@@ -3,9 +3,7 @@ OpenAI-shaped values)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from typing import Any
 
 _INT32_MAX = 2**31 - 1
 _MIN_TEMPERATURE = 1e-5  # below this, sampling is greedy (as vLLM does)
@@ -42,7 +40,7 @@ class StructuredOutputsParams:
     FIELDS = ("json", "json_object", "regex", "choice", "grammar")
 
     def __post_init__(self) -> None:
-        set_ = [name for name in self.FIELDS if getattr(self, name) not in (None, False)]
+        set_ = self._fields_set()
         if len(set_) != 1:
             raise ValueError(f"structured outputs need exactly one of {', '.join(self.FIELDS)}; got "
                              f"{', '.join(set_) or 'none'}")
@@ -56,19 +54,13 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise ValueError("structured outputs' json must be a JSON schema (an object or its JSON text)")
 
+    def _fields_set(self) -> list[str]:
+        return [name for name in self.FIELDS if getattr(self, name) not in (None, False)]
+
     @property
     def kind(self) -> str:
         """The name of the field that is set."""
-        return next(name for name in self.FIELDS if getattr(self, name) not in (None, False))
-
-    def key(self) -> tuple[str, str]:
-        """(kind, canonical text of the constraint): equal keys compile to the same grammar."""
-        value: Any = getattr(self, self.kind)
-        if self.kind == "json" and isinstance(value, dict):
-            value = json.dumps(value, sort_keys=True)
-        elif self.kind == "choice":
-            value = json.dumps(value)
-        return self.kind, str(value)
+        return self._fields_set()[0]
 
 
 @dataclass

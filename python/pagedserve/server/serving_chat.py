@@ -30,7 +30,7 @@ from .protocol import (
 )
 from .serving import SSE_DONE, OpenAIServing, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
-from .tool_calls import ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
+from .tool_calls import TEMPLATE_HINT, ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
 
 
 # apply_chat_template's own arguments and what the server passes itself
@@ -86,9 +86,8 @@ class OpenAIServingChat(OpenAIServing):
             if m.content is None and m.role != "assistant":
                 raise APIError(400, "only assistant messages may have no content", param=f"messages.{i}.content")
             if m.tool_calls and "tool_calls" not in template_source(tok):
-                raise APIError(400, "this model's chat template cannot render an assistant's tool calls; start the "
-                                    "server with --chat-template chatml-tools (ChatML models) or a template file "
-                                    "that renders them", param=f"messages.{i}.tool_calls", code="unsupported_parameter")
+                raise APIError(400, f"this model's chat template cannot render an assistant's tool calls; "
+                                    f"{TEMPLATE_HINT}", param=f"messages.{i}.tool_calls", code="unsupported_parameter")
             if m.tool_calls and m.role != "assistant":
                 raise APIError(400, "only assistant messages have tool calls", param=f"messages.{i}.tool_calls")
         if template.continue_final_message:

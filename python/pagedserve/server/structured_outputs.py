@@ -16,13 +16,14 @@ GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice"
                  "guided_grammar": "grammar"}
 
 
-def _response_format(rf: dict) -> StructuredOutputsParams | None:
-    """OpenAI's response_format: text (no constraint), json_object, json_schema."""
+def _response_format(rf: dict) -> dict | None:
+    """OpenAI's response_format as StructuredOutputsParams fields: None for
+    text (no constraint), json_object, or json_schema's schema."""
     kind = rf.get("type", "text")
     if kind == "text":
         return None
     if kind == "json_object":
-        return StructuredOutputsParams(json_object=True)
+        return {"json_object": True}
     if kind != "json_schema":
         raise APIError(400, f"`response_format.type` must be text, json_object or json_schema, got {kind!r}",
                        param="response_format.type")
@@ -30,7 +31,7 @@ def _response_format(rf: dict) -> StructuredOutputsParams | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise APIError(400, "`response_format.json_schema.schema` must be a JSON schema object",
                        param="response_format.json_schema.schema")
-    return StructuredOutputsParams(json=spec["schema"])
+    return {"json": spec["schema"]}
 
 
 def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
@@ -41,14 +42,8 @@ def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
     the output.
     """
     found: list[tuple[str, dict]] = []
-    if req.response_format:
-        rf = req.response_format
-        try:
-            params = _response_format(rf)
-        except ValueError as e:
-            raise APIError(400, f"`response_format`: {e}", param="response_format") from e
-        if params is not None:
-            found.append(("response_format", {params.kind: getattr(params, params.kind)}))
+    if req.response_format and (values := _response_format(req.response_format)) is not None:
+        found.append(("response_format", values))
     for name, kind in GUIDED_FIELDS.items():
         value = getattr(req, name)
         if value not in (None, [], "", {}):

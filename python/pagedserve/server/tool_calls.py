@@ -26,9 +26,10 @@ from .protocol import ChatCompletionRequest, FunctionCall, ToolCall
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
+TEMPLATE_HINT = ("start the server with --chat-template chatml-tools (ChatML models such as SmolLM2) or a "
+                 "template file that renders tools and tool calls")
 _NO_TOOL_FORMAT = ("this model's chat template has no tool format (it never reads `tools`), so the model would "
-                   "not see the tools; start the server with --chat-template chatml-tools (ChatML models such as "
-                   "SmolLM2) or a template file that renders tools")
+                   "not see the tools; " + TEMPLATE_HINT)
 
 
 @dataclass

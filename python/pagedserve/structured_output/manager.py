@@ -4,15 +4,12 @@
 from __future__ import annotations
 
 import json
-import logging
 
 import torch
 import xgrammar as xgr
 
 from ..errors import InvalidStructuredOutputError
 from ..sampling_params import StructuredOutputsParams
-
-logger = logging.getLogger(__name__)
 
 
 class GrammarState:
@@ -35,6 +32,11 @@ class GrammarState:
         out = logits.unsqueeze(0).clone()
         xgr.apply_token_bitmask_inplace(out, self._bitmask, vocab_size=self.vocab_size)
         return out[0]
+
+    def admits_any(self) -> bool:
+        """True when the grammar allows at least one next token (or its end)."""
+        self.matcher.fill_next_token_bitmask(self._bitmask)
+        return bool(self._bitmask.any())
 
     def accept(self, token_id: int) -> bool:
         """Advances the grammar by a sampled token; False if the grammar refuses
@@ -80,9 +82,7 @@ class StructuredOutputManager:
         no first token at all (e.g. a schema that only refers to itself).
         """
         compiled = self._compile(params)
-        state = GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size)
-        state.matcher.fill_next_token_bitmask(state._bitmask)
-        if not bool(state._bitmask.any()):
+        if not self.new_states(compiled, 1)[0].admits_any():
             raise InvalidStructuredOutputError(params.kind, f"invalid {_WHAT[params.kind]}: no output satisfies it")
         return compiled
 
