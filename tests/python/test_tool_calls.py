@@ -13,7 +13,7 @@ import pytest
 
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.tool_calls import ToolCallStreamer, parse_tagged_calls, plan_tools
+from pagedserve.server.tool_calls import ToolCallStreamer, parse_output, parse_tagged_calls, plan_tools
 from serverlib import MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -173,3 +173,44 @@ def test_required_plan_constrains_to_one_call_unless_parallel():
     assert _plan(tool_choice="none").tools is None
     with pytest.raises(APIError):
         plan_tools(ChatCompletionRequest(messages=QUESTION, tools=TOOLS), template_reads_tools=False)
+
+
+def test_required_keeps_each_tools_own_refs(smollm2_dir):
+    """Parameters with $defs and local $refs (as openai.pydantic_function_tool
+    writes them) are moved under the wrapper's $defs with their refs rebased."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.structured_output import StructuredOutputManager
+
+    unit = {"type": "object", "$defs": {"Unit": {"enum": ["celsius", "fahrenheit"]}},
+            "properties": {"unit": {"$ref": "#/$defs/Unit"}, "again": {"$ref": "#/properties/unit"},
+                           "same": {"const": {"$ref": "#/x"}}},  # a value, not a reference: untouched
+            "required": ["unit", "again"]}
+    tree = {"type": "object", "properties": {"child": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}},
+            "required": ["child"]}
+    tools = [{"type": "function", "function": {"name": "w", "parameters": unit}},
+             {"type": "function", "function": {"name": "t", "parameters": tree}}]
+    plan = plan_tools(ChatCompletionRequest(messages=QUESTION, tools=tools, tool_choice="required"), True)
+    defs = plan.constraint.json["$defs"]
+    assert defs["tool_0"]["properties"]["unit"]["$ref"] == "#/$defs/tool_0/$defs/Unit"
+    assert defs["tool_0"]["properties"]["again"]["$ref"] == "#/$defs/tool_0/properties/unit"
+    assert defs["tool_0"]["properties"]["same"] == {"const": {"$ref": "#/x"}}
+    assert defs["tool_1"]["properties"]["child"]["anyOf"][0] == {"$ref": "#/$defs/tool_1"}
+    manager = StructuredOutputManager(AutoTokenizer.from_pretrained(smollm2_dir), 49152, [2])
+    compiled = manager.compile(plan.constraint)
+    for text, ok in [('[{"name": "w", "arguments": {"unit": "celsius", "again": "fahrenheit"}}]', True),
+                     ('[{"name": "t", "arguments": {"child": {"child": null}}}]', True),
+                     ('[{"name": "w", "arguments": {"unit": "kelvin"', False)]:
+        assert manager.new_states(compiled, 1)[0].matcher.accept_string(text) is ok, text
+
+
+def test_arguments_are_always_json_object_text():
+    plan = plan_tools(ChatCompletionRequest(messages=QUESTION, tools=[
+        {"type": "function", "function": {"name": "s", "parameters": {"type": "string"}}}], tool_choice="required"),
+        True)
+    assert parse_output(plan, '[{"name": "s", "arguments": "Paris"}]')[1][0].function.arguments == '"Paris"'
+    for args in ("null", "[1]", '"text"'):  # auto: a call whose arguments are not an object is not a call
+        text = '<tool_call>{"name": "get_time", "arguments": ' + args + '}</tool_call>'
+        assert parse_tagged_calls(text, NAMES) == (text, [])
+    text = '<tool_call>{"name": "get_time", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
+    assert parse_tagged_calls(text, NAMES)[1][0].function.arguments == '{"city": "Rome"}'

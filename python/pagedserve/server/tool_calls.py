@@ -78,6 +78,23 @@ def _parameters(tool: dict) -> dict:
     return tool["function"].get("parameters") or {"type": "object", "properties": {}}
 
 
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples"})  # values, not schemas: never rewritten
+
+
+def _rebased(schema, base: str):
+    """`schema` moved under the JSON pointer `base` of a larger schema: every
+    local $ref ("#" or "#/...") now points to the same place below `base`."""
+    if isinstance(schema, list):
+        return [_rebased(v, base) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _DATA_KEYWORDS else _rebased(v, base) for k, v in schema.items()}
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+        out["$ref"] = base + ref[1:]
+    return out
+
+
 def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPlan:
     """The ToolPlan of a chat request.
 
@@ -121,18 +138,24 @@ def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPl
         plan.function_name = name
         plan.constraint = StructuredOutputsParams(json=_parameters(by_name[name]))
     elif mode == "required":
-        call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": _parameters(t)},
-                 "required": ["name", "arguments"]} for n, t in by_name.items()]
-        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}}
+        # each tool's parameters under $defs (their own $defs and local $refs rebased there)
+        defs = {f"tool_{i}": _rebased(_parameters(t), f"#/$defs/tool_{i}") for i, t in enumerate(tools)}
+        call = [{"type": "object", "properties": {"name": {"const": n}, "arguments": {"$ref": f"#/$defs/tool_{i}"}},
+                 "required": ["name", "arguments"]} for i, n in enumerate(by_name)]
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": call}, "$defs": defs}
         if not parallel:
             schema["maxItems"] = 1
         plan.constraint = StructuredOutputsParams(json=schema)
     return plan
 
 
-def _call(name: str, arguments) -> ToolCall:
-    text = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
-    return ToolCall(function=FunctionCall(name=name, arguments=text))
+def _call(name: str, arguments: str) -> ToolCall:
+    """A tool call with `arguments` as JSON text."""
+    return ToolCall(function=FunctionCall(name=name, arguments=arguments))
+
+
+def _as_json(value) -> str:
+    return json.dumps(value, ensure_ascii=False)
 
 
 def parse_tagged_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
@@ -140,8 +163,9 @@ def parse_tagged_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, l
     (the last one may lack its closing tag when the model ended there).
 
     Returns (the text before the first call, stripped, or None when empty;
-    the calls). A block that is not such a JSON object naming one of `names`
-    leaves the whole text as content and no calls.
+    the calls, arguments as JSON text). A block that is not such a JSON object
+    naming one of `names`, with an object (or an object's JSON text) as its
+    arguments, leaves the whole text as content and no calls.
     """
     start = text.find(CALL_OPEN)
     if start < 0:
@@ -154,8 +178,18 @@ def parse_tagged_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, l
             return text, []
         if not isinstance(obj, dict) or obj.get("name") not in names:
             return text, []
-        calls.append(_call(obj["name"], obj.get("arguments", {})))
+        arguments = obj.get("arguments", {})  # an object, or (some models) an object's JSON text
+        if not (isinstance(arguments, dict) or (isinstance(arguments, str) and _json_object(arguments))):
+            return text, []
+        calls.append(_call(obj["name"], arguments if isinstance(arguments, str) else _as_json(arguments)))
     return text[:start].strip() or None, calls
+
+
+def _json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
 
 
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
@@ -172,7 +206,7 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]
             items = json.loads(text)
         except ValueError:
             return text, []
-        return None, [_call(it["name"], it["arguments"]) for it in items]
+        return None, [_call(it["name"], _as_json(it["arguments"])) for it in items]
     if plan.mode == "auto":
         return parse_tagged_calls(text, plan.names)
     return text, []

@@ -12,6 +12,9 @@ from ..errors import InvalidStructuredOutputError
 from ..sampling_params import StructuredOutputsParams
 
 
+CACHE_LIMIT_BYTES = 256 * 2**20  # compiled grammars kept (bytes); least recently used go first
+
+
 class GrammarState:
     """Where one choice's output stands in its grammar (an xgrammar matcher).
 
@@ -60,8 +63,8 @@ class StructuredOutputManager:
             tokenizer's vocabulary (padding rows are always masked).
         eos_token_ids: tokens that end a sentence of the grammar.
 
-    Compiled grammars are cached by xgrammar (by constraint text), so the same
-    schema is compiled once. Compiling is thread-safe: the server compiles on a
+    Compiled grammars are cached by xgrammar (by constraint text, at most
+    CACHE_LIMIT_BYTES), so the same schema is compiled once. Compiling is thread-safe: the server compiles on a
     worker thread before a request reaches the engine thread, whose own
     compile then hits the cache.
 
@@ -72,7 +75,7 @@ class StructuredOutputManager:
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=eos_token_ids)
         self.vocab_size = vocab_size
-        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True)
+        self.compiler = xgr.GrammarCompiler(info, cache_enabled=True, cache_limit_bytes=CACHE_LIMIT_BYTES)
 
     def compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         """The compiled grammar of a constraint.
