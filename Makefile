@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-cpp test-sanitize test-python install chromium bench clean
+.PHONY: serve test test-cpp test-sanitize test-python test-metal-host install chromium bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -63,7 +63,19 @@ chromium:
 test-python: $(STAMP) chromium
 	cd tests && ../$(PY) -m pytest python -q -rs
 
-test: test-cpp test-sanitize test-python
+# The Metal backend's bindings and Python layer without a Mac: a test build of
+# _core whose Metal device is a recording device that checks every buffer
+# binding against metal/pagedserve_args.h and computes the kernels' contract on
+# the CPU (tests/metal_source/); the backend's Python tests and the parity
+# suite's metal cases run on it. (The kernels themselves are verified by the
+# emulator in test-cpp.)
+test-metal-host: $(STAMP)
+	cmake -S . -B build/metal-host -DPAGEDSERVE_BUILD_PYTHON=ON -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+	  -DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -c "import pybind11; print(pybind11.get_cmake_dir())")
+	cmake --build build/metal-host -j2 --target metal_stub_core
+	cd build/metal-host && ctest -R metal_python_on_recording_device --output-on-failure
+
+test: test-cpp test-sanitize test-python test-metal-host
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py

@@ -77,14 +77,18 @@ def test_the_plan_is_built_once_per_step_and_shared_by_every_layer(tiny_llama_di
 
 
 def test_auto_picks_the_best_available_backend_and_a_named_one_must_fit():
-    assert available_backends("cpu")[0] == "cpu"
-    assert resolve_backend("auto", "cpu", torch.float32) is CpuAttentionBackend
+    # metal (priority 200) where this build has it and a GPU loads, else cpu (100)
+    from pagedserve.kernels.metal import MetalAttentionBackend
+    metal_here = MetalAttentionBackend.availability().available
+    assert available_backends("cpu")[0] == ("metal" if metal_here else "cpu")
+    assert resolve_backend("auto", "cpu", torch.float32) is (MetalAttentionBackend if metal_here
+                                                             else CpuAttentionBackend)
     with pytest.raises(BackendUnavailableError, match="runs on cpu, not cuda"):
         resolve_backend("cpu", "cuda", torch.float32)
     with pytest.raises(BackendUnavailableError, match="float16"):
         resolve_backend("cpu", "cpu", torch.float16)
-    with pytest.raises(BackendUnavailableError, match="unknown attention backend 'metal'"):
-        resolve_backend("metal", "cpu")
+    with pytest.raises(BackendUnavailableError, match="unknown attention backend 'nope'"):
+        resolve_backend("nope", "cpu")
 
 
 def test_an_unusable_backend_fails_at_start_up_with_the_reason(tiny_llama_dir):

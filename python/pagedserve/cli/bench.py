@@ -12,6 +12,9 @@ BENCHMARKS = {
                          "pagedserve.bench.attention:main"),
     "prefix-cache": Command("time to first token and total time with prefix caching on vs off",
                             "pagedserve.bench.prefix_cache:main"),
+    "metal-attention": Command("decode attention on the Metal GPU vs the CPU kernel: wall and GPU time, GB/s "
+                               "(skipped where there is no Metal backend)",
+                               "pagedserve.bench.metal_attention:main"),
 }
 
 

@@ -22,6 +22,7 @@ from .backend import AttentionBackend, AttentionFeatures, Availability
 _REGISTRY: dict[str, str | type[AttentionBackend]] = {
     "cpu": "pagedserve.kernels.cpu:CpuAttentionBackend",
     "torch": "pagedserve.kernels.torch_ref:TorchAttentionBackend",
+    "metal": "pagedserve.kernels.metal:MetalAttentionBackend",
 }
 
 
