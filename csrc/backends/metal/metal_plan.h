@@ -1,5 +1,6 @@
 // One step's Metal attention work, planned in plain C++ (no Metal types): the
-// host dispatch (metal_attention.cc, Apple only) and the Linux emulator tests
+// host dispatch (metal_attention.cc; metal_device.cc runs it through Metal on
+// a Mac) and the Linux emulator tests
 // (tests/metal_emu/) run the very same plan, so the grid sizes, the split-KV
 // choice and the argument packing they verify are the ones a Mac executes.
 //
