@@ -78,6 +78,30 @@ struct Buffer {
   void fill(float x) { for (size_t i = 0; i < size(); ++i) set(i, x); }
 };
 
+// A buffer with NaN guard zones of kGuard elements on both sides: a kernel
+// writing out of bounds fails a check with a message (instead of corrupting
+// the heap, or landing in allocator slack nobody looks at).
+constexpr size_t kGuard = 4096;
+struct GuardedBuffer {
+  Buffer buf;
+  size_t n;
+  GuardedBuffer(mk::Dtype d, size_t count) : buf(d, count + 2 * kGuard), n(count) {
+    buf.fill(std::numeric_limits<float>::quiet_NaN());
+  }
+  void* data() { return buf.bytes.data() + kGuard * elem_bytes(buf.dtype); }
+  float get(size_t i) const { return buf.get(kGuard + i); }
+  void set(size_t i, float x) { buf.set(kGuard + i, x); }
+  // Elements of the guard zones that are no longer NaN.
+  size_t guard_writes() const {
+    size_t bad = 0;
+    for (size_t i = 0; i < kGuard; ++i) {
+      bad += !std::isnan(buf.get(i));
+      bad += !std::isnan(buf.get(kGuard + n + i));
+    }
+    return bad;
+  }
+};
+
 struct Shape {
   int H, Hkv, D, bs;
 };
@@ -114,7 +138,7 @@ Tolerance tolerance(mk::Dtype d) {
 // attention and compares.
 Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vector<int>& q_lens, mk::Dtype dtype,
                 const pmetal::MetalPlanOptions& options, const mk::LaunchOptions& launch, uint32_t seed,
-                bool causal = true) {
+                bool causal = true, bool strided_io = false) {
   const int B = static_cast<int>(seq_lens.size());
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -156,9 +180,7 @@ Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vec
   Buffer kv_in(dtype, kv_src.size());
   for (size_t i = 0; i < kv_src.size(); ++i) kv_in.set(i, kv_src[i]);
   const size_t cache_elems = static_cast<size_t>(num_blocks) * s.Hkv * s.bs * s.D;
-  Buffer k_cache(dtype, cache_elems), v_cache(dtype, cache_elems);
-  k_cache.fill(std::numeric_limits<float>::quiet_NaN());
-  v_cache.fill(std::numeric_limits<float>::quiet_NaN());
+  GuardedBuffer k_cache(dtype, cache_elems), v_cache(dtype, cache_elems);  // NaN everywhere
   // key and value are strided views into kv_in [P, 2, Hkv, D] (as a fused qkv projection would give)
   const auto rc = pmetal::make_reshape_and_cache_launch(P, s.Hkv, s.D, s.bs, num_blocks, 2 * s.Hkv * s.D, s.D,
                                                         2 * s.Hkv * s.D, s.D);
@@ -183,6 +205,7 @@ Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vec
   for (size_t slot = 0; slot < written.size(); ++slot) {
     if (!written[slot]) EXPECT_TRUE(std::isnan(k_cache.get(slot / s.bs * s.Hkv * s.bs * s.D + (slot % s.bs) * s.D)));
   }
+  EXPECT_EQ(k_cache.guard_writes() + v_cache.guard_writes(), 0u) << "reshape_and_cache wrote outside the caches";
 
   // Queries and metadata.
   std::vector<int32_t> qsl{0}, lens(seq_lens.begin(), seq_lens.end());
@@ -190,9 +213,22 @@ Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vec
   const int T = qsl.back();
   std::vector<float> q(static_cast<size_t>(T) * s.H * s.D);
   for (float& x : q) x = round_to(dtype, normal(rng));
-  Buffer q_buf(dtype, q.size()), out_buf(dtype, q.size());
+  // Contiguous [T, H, D] query and output; with strided_io the query is
+  // head-major (token stride D, head stride T * D, as the transpose of an
+  // [H, T, D] projection) and the output padded per head (head stride D + 8),
+  // so every query/out stride differs and the plan's set_strides matters.
+  const int64_t q_tok = strided_io ? s.D : static_cast<int64_t>(s.H) * s.D;
+  const int64_t q_head = strided_io ? static_cast<int64_t>(T) * s.D : s.D;
+  const int64_t o_head = strided_io ? s.D + 8 : s.D;
+  const int64_t o_tok = static_cast<int64_t>(s.H) * o_head;
+  Buffer q_buf(dtype, q.size()), q_io(dtype, q.size());
+  GuardedBuffer out_buf(dtype, static_cast<size_t>(T) * o_tok);
   for (size_t i = 0; i < q.size(); ++i) q_buf.set(i, q[i]);
-  out_buf.fill(std::numeric_limits<float>::quiet_NaN());
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < s.H; ++h) {
+      for (int d = 0; d < s.D; ++d) q_io.set(t * q_tok + h * q_head + d, q[(static_cast<size_t>(t) * s.H + h) * s.D + d]);
+    }
+  }
   const float scale = 1.0f / std::sqrt(static_cast<float>(s.D));
 
   Result r;
@@ -200,8 +236,9 @@ Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vec
                                    arg(lens, {B}, DType::kInt32, "seq_lens"),
                                    arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), s.H, s.Hkv, s.D, s.bs,
                                    num_blocks, causal, scale, options);
+  r.plan.set_strides(q_tok, q_head, o_tok, o_head);
   mk::AttentionBuffers bufs;
-  bufs.query = q_buf.data();
+  bufs.query = q_io.data();
   bufs.k_cache = k_cache.data();
   bufs.v_cache = v_cache.data();
   bufs.block_tables = tables.data();
@@ -211,7 +248,17 @@ Result run_case(const Shape& s, const std::vector<int>& seq_lens, const std::vec
   mk::paged_attention(dtype, r.plan, bufs, launch);
   r.counters = mk::last_counters();
   r.out.resize(q.size());
-  for (size_t i = 0; i < q.size(); ++i) r.out[i] = out_buf.get(i);
+  for (int t = 0; t < T; ++t) {
+    for (int h = 0; h < s.H; ++h) {
+      for (int d = 0; d < s.D; ++d) r.out[(static_cast<size_t>(t) * s.H + h) * s.D + d] = out_buf.get(t * o_tok + h * o_head + d);
+    }
+  }
+  EXPECT_EQ(out_buf.guard_writes(), 0u) << "the attention kernels wrote outside out";
+  if (strided_io) {  // nothing is written into the padding between heads
+    for (int64_t i = 0; i < T * o_tok; ++i) {
+      if (i % o_head >= s.D) EXPECT_TRUE(std::isnan(out_buf.get(i))) << "write into head padding at " << i;
+    }
+  }
 
   // float64 reference from the same rounded K/V: position p of sequence b is
   // the last written token with pos_of == (b, p).
@@ -383,12 +430,29 @@ TEST(MetalPrefill, ChunkedPrefillWithEarlierContextMixedWithDecodes) {
   std::vector<int> lens, q_lens;
   mixed_batch(lens, q_lens);
   for (int bs : {16, 32}) {
-    for (const Shape& s : {Shape{4, 4, 64, bs}, Shape{6, 2, 64, bs}, Shape{10, 1, 64, bs}, Shape{8, 2, 128, bs}}) {
+    // the last shape: 2 KV heads with 2 decode head tiles (8 + 2) and 3 prefill tiles (4 + 4 + 2) each
+    for (const Shape& s : {Shape{4, 4, 64, bs}, Shape{6, 2, 64, bs}, Shape{10, 1, 64, bs}, Shape{8, 2, 128, bs},
+                           Shape{20, 2, 64, bs}}) {
       const Result r = run_case(s, lens, q_lens, mk::Dtype::kFloat32, split(pmetal::SplitKv::kOn), {}, 5);
       EXPECT_FALSE(r.plan.prefill_work.empty());
       EXPECT_EQ(r.plan.decode_work.size(), 4u);
       expect_close(r, "bs " + std::to_string(bs) + " H " + std::to_string(s.H) + " Hkv " + std::to_string(s.Hkv));
     }
+  }
+}
+
+// Query and output with strides that all differ (the plan's set_strides),
+// through decode, merge and prefill.
+TEST(MetalStrides, StridedQueryAndPaddedOutput) {
+  std::vector<int> lens, q_lens;
+  mixed_batch(lens, q_lens);
+  for (bool sp : {false, true}) {
+    const Result r = run_case({20, 2, 64, 16}, lens, q_lens, mk::Dtype::kFloat32,
+                              split(sp ? pmetal::SplitKv::kOn : pmetal::SplitKv::kOff), {}, 19, /*causal=*/true,
+                              /*strided_io=*/true);
+    EXPECT_EQ(r.plan.decode_args.head_tiles, 2);
+    EXPECT_EQ(r.plan.prefill_args.head_tiles, 3);
+    expect_close(r, std::string("strided query and out") + (sp ? ", split" : ""));
   }
 }
 
