@@ -82,7 +82,7 @@ def test_bench_help(capsys, name):
 
 
 def test_bench_scripts_call_the_packaged_benchmarks():
-    for name in ("throughput", "attention", "prefix_cache"):
+    for name in ("throughput", "attention", "prefix_cache", "serving"):
         shim = runpy.run_path(str(REPO / "bench" / f"{name}.py"), run_name="shim")
         assert shim["main"] is importlib.import_module(f"pagedserve.bench.{name}").main
 

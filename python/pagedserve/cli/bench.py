@@ -15,6 +15,9 @@ BENCHMARKS = {
     "metal-attention": Command("decode attention on the Metal GPU vs the CPU kernel: wall and GPU time, GB/s "
                                "(skipped where there is no Metal backend)",
                                "pagedserve.bench.metal_attention:main"),
+    "serving": Command("load on any OpenAI-compatible server (closed loop, sweep, Poisson, side by side): "
+                       "output tokens/s, TTFT, ITL, TPOT, E2E, and a check of the tokens produced",
+                       "pagedserve.bench.serving:main"),
 }
 
 
