@@ -132,25 +132,26 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     or that it was skipped and why where there is no Metal backend.
     prog: the command name --help shows (default: the script's file name)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=16)
-    ap.add_argument("--heads", type=int, default=12)
-    ap.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048])
-    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES))
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--batch", type=int, default=16, help="decode sequences B (default 16)")
+    ap.add_argument("--heads", type=int, default=12, help="query = KV heads H, head size 64 (default 12)")
+    ap.add_argument("--seq-lens", type=int, nargs="+", default=[128, 512, 2048], help="keys per sequence S, tokens")
+    ap.add_argument("--dtypes", nargs="+", choices=list(DTYPES), default=list(DTYPES),
+                    help="cache dtypes (the CPU kernel runs float16 rows in bfloat16: it has no float16)")
+    ap.add_argument("--warmup", type=int, default=5, help="calls before timing (default 5)")
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls; the median is reported (default 30)")
     ap.add_argument("--bandwidth-gbs", type=float, default=None,
                     help="the device's memory bandwidth in GB/s (default: the chip family's nominal figure, "
                          "see CHIP_BANDWIDTH_GBS in the module)")
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     args = ap.parse_args(argv)
-    plots.require_writable(ap, args.plot)
 
     from pagedserve.kernels.metal import MetalAttentionBackend, device_info
 
     avail = MetalAttentionBackend.availability()
-    if not avail.available:
+    if not avail.available:  # before --plot is checked: a skipped run leaves no file behind
         print(f"metal-attention: skipped: {avail.reason}")
         return
+    plots.require_writable(ap, args.plot)
     info = device_info()
     bandwidth = args.bandwidth_gbs or chip_bandwidth_gbs(info["name"])
     b, h = args.batch, args.heads

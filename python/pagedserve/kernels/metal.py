@@ -21,9 +21,10 @@ step.
 
 ``split_kv`` ("auto", "on", "off") and ``partition_size`` on an instance choose
 split-KV decode (flash-decoding) for the plans it makes; the tests use them.
-Environment: PAGEDSERVE_METALLIB=<path> loads that .metallib instead of the one
-installed next to ``_core``; PAGEDSERVE_METAL_SOURCE=1 compiles the embedded
-kernel source at run time instead (both read once, when the device opens).
+Environment: PAGEDSERVE_METALLIB=<path> loads that .metallib and nothing else
+(no fallback) instead of the one installed next to ``_core``;
+PAGEDSERVE_METAL_SOURCE=1 compiles the embedded kernel source at run time
+instead; setting both is an error; both are read once, when the device opens.
 """
 
 from __future__ import annotations
