@@ -330,6 +330,19 @@ void MetalAttention::paged_attention(const TensorArg& out, const TensorArg& quer
       p.split ? BufferBinding{scratch_.buffer(), partial_lse_at} : BufferBinding{dummy, 0};
   const int32_t head_size = static_cast<int32_t>(c.head_size), block_size = static_cast<int32_t>(c.block_size);
 
+  // Buffers 1-8 of the decode and prefill kernels (the same signature up to
+  // their work lists; metal/paged_attention_{decode,prefill}.metal).
+  const auto bind_attention_inputs = [&](Dispatch& d, const BufferBinding& work) {
+    d.bind(1, io, query_at);
+    d.bind(2, kc.buffer.get(), kc.offset);
+    d.bind(3, vc.buffer.get(), vc.offset);
+    d.bind(4, block_tables.buffer, block_tables.offset);
+    d.bind(5, seq_lens.buffer, seq_lens.offset);
+    d.bind(6, qsl.buffer, qsl.offset);
+    d.bind(7, work.buffer, work.offset);
+    d.bind(8, io, out_at);
+  };
+
   Dispatch dispatches[3];
   size_t n = 0;
   if (!p.decode.empty()) {
@@ -337,14 +350,7 @@ void MetalAttention::paged_attention(const TensorArg& out, const TensorArg& quer
     d.pipeline = PipelineKey{MetalKernel::kPagedAttentionDecode, c.dtype, head_size, block_size};
     d.launch = p.decode;
     d.set_args(decode_args);
-    d.bind(1, io, query_at);
-    d.bind(2, kc.buffer.get(), kc.offset);
-    d.bind(3, vc.buffer.get(), vc.offset);
-    d.bind(4, block_tables.buffer, block_tables.offset);
-    d.bind(5, seq_lens.buffer, seq_lens.offset);
-    d.bind(6, qsl.buffer, qsl.offset);
-    d.bind(7, decode_work.buffer, decode_work.offset);
-    d.bind(8, io, out_at);
+    bind_attention_inputs(d, decode_work);
     d.bind(9, partial_out.buffer, partial_out.offset);
     d.bind(10, partial_lse.buffer, partial_lse.offset);
   }
@@ -365,14 +371,7 @@ void MetalAttention::paged_attention(const TensorArg& out, const TensorArg& quer
     d.pipeline = PipelineKey{MetalKernel::kPagedAttentionPrefill, c.dtype, head_size, block_size};
     d.launch = p.prefill;
     d.set_args(prefill_args);
-    d.bind(1, io, query_at);
-    d.bind(2, kc.buffer.get(), kc.offset);
-    d.bind(3, vc.buffer.get(), vc.offset);
-    d.bind(4, block_tables.buffer, block_tables.offset);
-    d.bind(5, seq_lens.buffer, seq_lens.offset);
-    d.bind(6, qsl.buffer, qsl.offset);
-    d.bind(7, prefill_work.buffer, prefill_work.offset);
-    d.bind(8, io, out_at);
+    bind_attention_inputs(d, prefill_work);
   }
   last_gpu_seconds_ = device_->run(dispatches, n);
   ++command_buffers_;
