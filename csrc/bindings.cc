@@ -34,27 +34,38 @@ std::vector<const BackendBinding*>& backend_bindings() {
 }
 
 TensorArg tensor_arg(const py::handle& t, const char* name) {
-  static const py::object tensor_type = py::module_::import("torch").attr("Tensor");
-  if (!py::isinstance(t, tensor_type)) throw KernelArgumentError(std::string(name) + " must be a torch tensor");
-  if (py::str(t.attr("layout")).cast<std::string>() != "torch.strided") {
+  // torch's singletons, looked up once: each check below is an identity test or
+  // one attribute read (a decode step converts ~500 tensors; the string
+  // comparisons this replaced cost ~6 us per tensor)
+  struct Torch {
+    py::object tensor, strided, float32, bfloat16, float16, int32, int64, uint8;
+  };
+  static const Torch* torch_objs = [] {
+    py::module_ torch = py::module_::import("torch");
+    return new Torch{torch.attr("Tensor"), torch.attr("strided"), torch.attr("float32"), torch.attr("bfloat16"),
+                     torch.attr("float16"), torch.attr("int32"), torch.attr("int64"), torch.attr("uint8")};
+  }();
+  const Torch& T = *torch_objs;
+  if (!py::isinstance(t, T.tensor)) throw KernelArgumentError(std::string(name) + " must be a torch tensor");
+  const py::object layout = t.attr("layout");
+  if (!layout.is(T.strided)) {
     throw KernelArgumentError(std::string(name) + " must be a dense (strided) tensor, got layout " +
-                              py::str(t.attr("layout")).cast<std::string>());
+                              py::str(layout).cast<std::string>());
   }
   if (t.attr("is_neg")().cast<bool>() || t.attr("is_conj")().cast<bool>()) {
     throw KernelArgumentError(std::string(name) + " is a lazy negated or conjugated view: materialise it first");
   }
-  if (py::str(t.attr("device").attr("type")).cast<std::string>() != "cpu") {
-    throw KernelArgumentError(std::string(name) + " must be a CPU tensor");
-  }
+  if (!t.attr("is_cpu").cast<bool>()) throw KernelArgumentError(std::string(name) + " must be a CPU tensor");
   TensorArg a;
   a.name = name;
-  const auto dtype = py::str(t.attr("dtype")).cast<std::string>();
-  if (dtype == "torch.float32") a.dtype = DType::kFloat32;
-  else if (dtype == "torch.bfloat16") a.dtype = DType::kBFloat16;
-  else if (dtype == "torch.float16") a.dtype = DType::kFloat16;
-  else if (dtype == "torch.int32") a.dtype = DType::kInt32;
-  else if (dtype == "torch.int64") a.dtype = DType::kInt64;
-  else throw KernelArgumentError(std::string(name) + " has unsupported dtype " + dtype);
+  const py::object dtype = t.attr("dtype");
+  if (dtype.is(T.float32)) a.dtype = DType::kFloat32;
+  else if (dtype.is(T.bfloat16)) a.dtype = DType::kBFloat16;
+  else if (dtype.is(T.float16)) a.dtype = DType::kFloat16;
+  else if (dtype.is(T.int32)) a.dtype = DType::kInt32;
+  else if (dtype.is(T.int64)) a.dtype = DType::kInt64;
+  else if (dtype.is(T.uint8)) a.dtype = DType::kUInt8;
+  else throw KernelArgumentError(std::string(name) + " has unsupported dtype " + py::str(dtype).cast<std::string>());
   a.shape = t.attr("shape").cast<std::vector<int64_t>>();
   a.strides = t.attr("stride")().cast<std::vector<int64_t>>();
   a.data = reinterpret_cast<void*>(t.attr("data_ptr")().cast<uintptr_t>());

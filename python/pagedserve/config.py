@@ -84,9 +84,19 @@ class EngineArgs:
     attention_backend: str = field(default="auto", metadata=_arg(
         "attention kernels (pagedserve.kernels registry; auto = the best available here)",
         choices=_backend_choices))
-    onednn_linear: bool = field(default=True, metadata=_arg(
-        "run linear layers through oneDNN with pre-packed weights where this CPU supports it for the dtype "
-        "(else torch's default GEMM)"))
+    linear_impl: str = field(default="auto", metadata=_arg(
+        "GEMM path of the linear layers on CPU: auto = the fastest correct one measured on this machine at "
+        "start-up (cached per machine), torch = torch's default GEMM, onednn = oneDNN with pre-packed weights",
+        choices=["auto", "torch", "onednn"]))
+    quantization: str = field(default="none", metadata=_arg(
+        "run the linear layers on quantised weights (CPU): q4 = the GGUF's own Q4_1 blocks (llama.cpp's format; a "
+        "float checkpoint is quantised to Q4_1) with its Q8_0 output layer, int8 = Q8_0 blocks (8-bit, a scale per "
+        "32 weights); activations are quantised per row to int8 in groups of 32. none = the model's dtype",
+        choices=["none", "q4", "int8"]))
+    model_impl: str = field(default="auto", metadata=_arg(
+        "decoder forward: auto = PagedServe's lean forward where the architecture has one (Llama), else the "
+        "Hugging Face modules; pagedserve = the lean forward (error if none); transformers = the Hugging Face "
+        "modules", choices=["auto", "pagedserve", "transformers"]))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
@@ -102,6 +112,10 @@ class EngineArgs:
                 raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
+        for name, allowed in (("linear_impl", ("auto", "torch", "onednn")), ("quantization", ("none", "q4", "int8")),
+                              ("model_impl", ("auto", "pagedserve", "transformers"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
         try:
             torch.device(self.device)
         except RuntimeError as e:

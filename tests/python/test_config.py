@@ -24,11 +24,11 @@ def test_every_engine_argument_is_a_flag_with_the_same_default():
 def test_flags_parse_into_engine_args():
     args = build_parser().parse_args([
         "--model", "m", "--dtype", "float32", "--block-size", "32", "--kv-cache-memory", "512MiB",
-        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--no-onednn-linear", "--attention-backend", "torch",
+        "--max-num-seqs", "8", "--no-enable-prefix-caching", "--linear-impl", "torch", "--attention-backend", "torch",
         "--skip-tokenizer-init", "--device", "cpu", "--port", "9000"])
     e = EngineArgs.from_cli_args(args)
     assert (e.model, e.dtype, e.block_size, e.kv_cache_memory, e.max_num_seqs) == ("m", "float32", 32, 2**29, 8)
-    assert not e.enable_prefix_caching and not e.onednn_linear and e.skip_tokenizer_init
+    assert not e.enable_prefix_caching and e.linear_impl == "torch" and e.skip_tokenizer_init
     assert e.attention_backend == "torch" and args.port == 9000
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams, _core, hardware
-from pagedserve.model.runner import OneDNNLinear
+from pagedserve.model.linear import OneDNNLinear
 from conftest import hf_greedy
 
 PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 50)), list(range(200, 217))]
@@ -69,11 +69,20 @@ def test_bfloat16_without_the_onednn_path_serves_with_torchs_gemm(tiny_llama_dir
 
 
 def test_the_onednn_path_is_used_only_where_it_runs(tiny_llama_dir):
-    llm = LLM(model=tiny_llama_dir, dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=16)
-    uses = any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())
-    assert uses == hardware.cpu_capabilities().onednn_bf16
-    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    """Asked for where it cannot run, the oneDNN path is a start-up error naming
+    the reason; where it runs, every linear layer takes it."""
+    if hardware.cpu_capabilities().onednn_bf16:
+        llm = LLM(model=tiny_llama_dir, dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=16,
+                  linear_impl="onednn")
+        assert any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())
+    else:
+        with pytest.raises(ValueError, match="--linear-impl onednn cannot run here: oneDNN's bfloat16"):
+            LLM(model=tiny_llama_dir, dtype="bfloat16", skip_tokenizer_init=True, num_kv_blocks=16,
+                linear_impl="onednn")
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
+              linear_impl="onednn")
     assert any(isinstance(m, OneDNNLinear) for m in llm.engine.model.modules())  # fp32 oneDNN runs on any x86
+    assert not any(type(m) is torch.nn.Linear for m in llm.engine.model.modules())
 
 
 def test_a_path_that_cannot_run_fails_at_start_up_not_at_the_first_request(tiny_llama_dir, monkeypatch):
@@ -82,7 +91,7 @@ def test_a_path_that_cannot_run_fails_at_start_up_not_at_the_first_request(tiny_
 
     monkeypatch.setattr(OneDNNLinear, "forward", crash)
     with pytest.raises(RuntimeError, match="start-up check step failed.*avx_ne_convert"):
-        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16, linear_impl="onednn")
 
 
 def _run(code: str, env: dict) -> subprocess.CompletedProcess:

@@ -15,7 +15,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.engine.async_engine import AsyncLLMEngine
 from pagedserve.engine.outputs import CompletionOutput, RequestOutput
 from pagedserve.engine.request import Request
-from pagedserve.model.runner import padded_rows
+from pagedserve.model.linear import padded_rows
 
 TRACKED = (Request, RequestOutput, CompletionOutput, torch.Generator, asyncio.Queue)
 TOLERANCE_BYTES = 256 * 1024  # tracemalloc's own bookkeeping and interned strings wander this much

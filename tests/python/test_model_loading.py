@@ -122,18 +122,19 @@ def test_a_layer_that_bypasses_the_paged_store_is_refused(tiny_llama_dir, monkey
 
     monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", bypass_in_layer_1)
     with pytest.raises(ModelLoadError, match="made 1 calls to the attention function for 2 layers"):
-        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8,
+            model_impl="transformers")  # the Hugging Face layers (the lean forward has no hook to bypass)
 
 
 def test_the_check_compares_with_the_model_as_loaded_not_as_the_engine_changed_it(tiny_llama_dir, monkeypatch):
     """The reference logits come from the model before the engine swaps its
     linear layers: a swapped layer that computed something else is caught."""
-    from pagedserve.model import runner
+    from pagedserve.model import linear
 
-    forward = runner.OneDNNLinear.forward
-    monkeypatch.setattr(runner.OneDNNLinear, "forward", lambda self, x: forward(self, x) * 1.01)
+    forward = linear.OneDNNLinear.forward
+    monkeypatch.setattr(linear.OneDNNLinear, "forward", lambda self, x: forward(self, x) * 1.01)
     with pytest.raises(ModelLoadError, match="logits differ"):
-        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8)
+        LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8, linear_impl="onednn")
 
 
 def test_longrope_is_served_only_below_its_original_context(tmp_path):

@@ -4,6 +4,6 @@
 
 namespace pagedserve {
 
-enum class DType { kFloat32, kBFloat16, kFloat16, kInt32, kInt64 };
+enum class DType { kFloat32, kBFloat16, kFloat16, kInt32, kInt64, kUInt8 };  // kUInt8: raw bytes (GGUF quantized blocks)
 
 }  // namespace pagedserve

@@ -10,6 +10,7 @@ const char* dtype_name(DType d) {
     case DType::kBFloat16: return "bfloat16";
     case DType::kFloat16: return "float16";
     case DType::kInt32: return "int32";
+    case DType::kUInt8: return "uint8";
     default: return "int64";
   }
 }

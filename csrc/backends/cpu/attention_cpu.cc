@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <system_error>
 
@@ -149,6 +150,14 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   }
   partial_acc_.resize(n_partial * g_.group() * g_.head_dim);
   partial_ml_.resize(n_partial * g_.group());
+  // query-head x key pairs the step scores; below kInlineWork waking the pool's
+  // workers (tens of us on a VM) costs more than the work (a 2-core VM: one
+  // batch-1 decode layer of 9 heads over ~100 keys took ~100 us through the
+  // pool and a few us inline)
+  constexpr int64_t kInlineWork = 16384;
+  int64_t work = 0;
+  for (const WorkItem& it : items_) work += int64_t{it.j1 - it.j0} * g_.block_size * (it.q1 - it.q0) * g_.group();
+  run_inline_ = work < kInlineWork;
   try {
     pool_ = ThreadPool::get(num_threads);
   } catch (const std::system_error& e) {
@@ -202,12 +211,19 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
   a.softcap = softcap;
   const KernelTable& k = isa_->table();
   const int64_t per_split = g_.group() * g_.head_dim;  // floats of one split item's partial accumulators
-  pool_->run(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {
+  const auto dispatch = [this](int64_t n, const std::function<void(int64_t, int)>& fn) {
+    if (run_inline_) {
+      for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    } else {
+      pool_->run(n, fn);
+    }
+  };
+  dispatch(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {
     const int64_t ps = partial_slot_[i];
     k.run_item(a, items_[i], scratch_[worker].data(), ps >= 0 ? partial_acc_.data() + ps * per_split : nullptr,
                ps >= 0 ? partial_ml_.data() + ps * g_.group() : nullptr);
   });
-  pool_->run(static_cast<int64_t>(split_groups_.size()), [&](int64_t i, int worker) {
+  dispatch(static_cast<int64_t>(split_groups_.size()), [&](int64_t i, int worker) {
     const SplitGroup& sg = split_groups_[i];
     const int64_t ps = partial_slot_[sg.first_item];
     k.merge_splits(a, sg.b, sg.hk, sg.splits, partial_acc_.data() + ps * per_split,

@@ -65,6 +65,8 @@ class AttentionPlan {
   int64_t sliding_window() const { return sliding_window_; }
   // KV blocks the work items read, summed over items (each item is one KV head).
   int64_t num_blocks_visited() const;
+  // True when run() does its items on the calling thread (too little work to wake the pool).
+  bool runs_inline() const { return run_inline_; }
   int num_threads() const;
 
   // out [T, H, D] = attention of query [T, H, D] over one layer's caches
@@ -90,6 +92,9 @@ class AttentionPlan {
   std::vector<SplitGroup> split_groups_;
   std::vector<int64_t> partial_slot_;  // per item: its slot in partial_* or -1
   std::shared_ptr<ThreadPool> pool_;
+  // The step's work is too small to pay for waking the pool (a batch-1 decode
+  // of a short context): items run on the calling thread.
+  bool run_inline_ = false;
   std::mutex mu_;  // scratch below is reused by every layer
   std::vector<std::vector<float>> scratch_;
   std::vector<float> partial_acc_;

@@ -9,6 +9,7 @@
 #include "binding_registry.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
+#include "thread_pool.h"
 
 namespace py = pybind11;
 
@@ -39,6 +40,11 @@ void bind_cpu(py::module_& m) {
       "kernel_isa", [] { return std::string(active_isa().name); },
       "The kernel variant in use (the best supported, or PAGEDSERVE_CPU_ISA's). Raises InvalidArgumentError "
       "if PAGEDSERVE_CPU_ISA names a variant that is not compiled in or that this CPU cannot execute.");
+  m.def("set_thread_pool_spin_us", &ThreadPool::set_spin_micros, py::arg("micros"),
+        "How long the CPU kernels' idle workers and waiting callers poll before they sleep, in microseconds "
+        "(process-wide; 0, the default, sleeps at once). Worth it when our kernels make a step's calls back to back "
+        "(the quantised path); it takes cores from torch's OpenMP threads when torch's GEMMs run between them.");
+  m.def("thread_pool_spin_us", &ThreadPool::spin_micros, "The current setting of set_thread_pool_spin_us.");
   m.def("set_kernel_isa", &set_active_isa, py::arg("name"),
         "Switches the kernel variant (plans built afterwards use it). Raises InvalidArgumentError.");
 
@@ -74,6 +80,7 @@ void bind_cpu(py::module_& m) {
       .def_property_readonly("num_threads", &AttentionPlan::num_threads)
       .def_property_readonly("sliding_window", &AttentionPlan::sliding_window)
       .def_property_readonly("num_blocks_visited", &AttentionPlan::num_blocks_visited)
+      .def_property_readonly("runs_inline", &AttentionPlan::runs_inline)
       .def_property_readonly("num_tokens", [](const AttentionPlan& p) { return p.geometry().num_tokens; })
       .def(
           "run",

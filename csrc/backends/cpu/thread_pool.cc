@@ -1,7 +1,41 @@
 #include "thread_pool.h"
 
+#include <chrono>
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <immintrin.h>
+#define PAGEDSERVE_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define PAGEDSERVE_CPU_RELAX() asm volatile("yield")
+#else
+#define PAGEDSERVE_CPU_RELAX() std::this_thread::yield()
+#endif
+
 namespace pagedserve {
 namespace cpu {
+namespace {
+
+std::atomic<int> g_spin_micros{0};
+
+// Polls done() for up to spin_micros() microseconds; true if it became true.
+template <typename Done>
+bool spin_until(Done done) {
+  const int micros = g_spin_micros.load(std::memory_order_relaxed);
+  if (micros <= 0) return done();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::microseconds(micros);
+  while (true) {
+    for (int i = 0; i < 64; ++i) {
+      if (done()) return true;
+      PAGEDSERVE_CPU_RELAX();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return done();
+  }
+}
+
+}  // namespace
+
+void ThreadPool::set_spin_micros(int micros) { g_spin_micros.store(micros < 0 ? 0 : micros); }
+int ThreadPool::spin_micros() { return g_spin_micros.load(); }
 
 ThreadPool::ThreadPool(int num_threads) {
   try {
@@ -17,7 +51,7 @@ ThreadPool::~ThreadPool() { stop_all(); }
 void ThreadPool::stop_all() {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   cv_start_.notify_all();
   for (auto& t : workers_) t.join();
@@ -39,16 +73,17 @@ void ThreadPool::drain(int worker_id) {
 void ThreadPool::worker_loop(int worker_id) {
   uint64_t seen = 0;
   while (true) {
-    {
+    const auto started = [&] { return stop_.load() || generation_.load(std::memory_order_acquire) != seen; };
+    if (!spin_until(started)) {
       std::unique_lock<std::mutex> lock(mu_);
-      cv_start_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
+      cv_start_.wait(lock, started);
     }
+    if (stop_.load()) return;
+    seen = generation_.load(std::memory_order_acquire);
     drain(worker_id);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (--active_ == 0) cv_done_.notify_one();
+    if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      std::lock_guard<std::mutex> lock(mu_);  // the caller may be between its check and its wait
+      cv_done_.notify_one();
     }
   }
 }
@@ -60,20 +95,25 @@ void ThreadPool::run(int64_t num_items, const std::function<void(int64_t, int)>&
     for (int64_t i = 0; i < num_items; ++i) fn(i, 0);
     return;
   }
+  // every worker of the previous run has finished (active_ was 0): nobody reads these now
+  fn_ = &fn;
+  num_items_ = num_items;
+  next_.store(0);
+  error_ = nullptr;
+  active_.store(static_cast<int>(workers_.size()));
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    fn_ = &fn;
-    num_items_ = num_items;
-    next_ = 0;
-    error_ = nullptr;
-    active_ = static_cast<int>(workers_.size());
-    ++generation_;
+    std::lock_guard<std::mutex> lock(mu_);  // a worker between its check and its wait cannot miss this
+    generation_.fetch_add(1, std::memory_order_release);
   }
   cv_start_.notify_all();
   drain(0);
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_done_.wait(lock, [&] { return active_ == 0; });
+  const auto done = [&] { return active_.load(std::memory_order_acquire) == 0; };
+  if (!spin_until(done)) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_done_.wait(lock, done);
+  }
   fn_ = nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
   if (error_) std::rethrow_exception(error_);
 }
 

@@ -2,7 +2,17 @@
 // fn(item, worker) for item in [0, n) on up to num_threads threads (the caller
 // is worker 0) with dynamic (atomic counter) scheduling, and returns when all
 // items are done. Idle workers sleep on a condition variable, so they do not
-// compete with torch's own threads between calls.
+// compete with torch's own (OpenMP) threads between calls. With
+// set_spin_micros(us > 0) a worker that finished, and a caller waiting for the
+// workers, first poll for that long (a pause instruction per poll) before they
+// sleep: when our kernels make most of a step's calls back to back (the
+// quantised decode makes ~150), waking a sleeping thread costs tens of
+// microseconds on a VM (a batch-1 Q4_1 GEMV of 25 us took 101 us through a
+// sleeping pool). When torch's GEMMs run between our calls, spinning takes
+// the cores from OpenMP's threads (measured: the attention of a 32-sequence
+// float32 decode went from ~1 to ~26 ms per step), so it is off by default and
+// the engine turns it on only for the quantised path (OpenMP's blocktime is
+// the same idea).
 #pragma once
 
 #include <atomic>
@@ -35,6 +45,11 @@ class ThreadPool {
   // replaces it, while callers still holding the old one finish on it.
   static std::shared_ptr<ThreadPool> get(int num_threads);
 
+  // How long idle workers and waiting callers poll before sleeping (process-wide;
+  // 0, the default: they sleep at once). Negative values count as 0.
+  static void set_spin_micros(int micros);
+  static int spin_micros();
+
  private:
   void worker_loop(int worker_id);
   void stop_all();
@@ -44,12 +59,12 @@ class ThreadPool {
   std::mutex run_mu_;  // one run() at a time
   std::mutex mu_;
   std::condition_variable cv_start_, cv_done_;
-  const std::function<void(int64_t, int)>* fn_ = nullptr;
+  const std::function<void(int64_t, int)>* fn_ = nullptr;  // published by generation_ (release/acquire)
   int64_t num_items_ = 0;
   std::atomic<int64_t> next_{0};
-  int active_ = 0;
-  uint64_t generation_ = 0;
-  bool stop_ = false;
+  std::atomic<int> active_{0};            // workers still in the current run
+  std::atomic<uint64_t> generation_{0};  // bumped (under mu_) by each run that wakes workers
+  std::atomic<bool> stop_{false};
   std::exception_ptr error_;
 };
 

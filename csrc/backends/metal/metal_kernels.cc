@@ -48,6 +48,7 @@ size_t dtype_size(DType dtype) {
     case DType::kFloat16: return 2;
     case DType::kInt32: return 4;
     case DType::kInt64: return 8;
+    case DType::kUInt8: return 1;
   }
   return 0;
 }

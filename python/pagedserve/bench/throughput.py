@@ -7,8 +7,17 @@ PagedServe outputs equal static batching's (float32 rounding differs between a
 padded batch and a packed one, so a near-tie can flip a token).
 
     pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--plot PATH]
+                                [--linear-impl auto|torch|onednn] [--model-impl auto|pagedserve|transformers]
+                                [--quantization none|q4|int8]
 
 (from a checkout, ``python bench/throughput.py`` takes the same flags)
+
+The table's header names PagedServe's decoder forward and the GEMM path its
+start-up chooser took (or the quantisation), and the weights' memory. With
+--quantization the outputs are no longer float32's: the script then prints the
+greedy agreement with static batching's float32 sequences and the perplexity
+of a fixed English text (pagedserve/bench/data/perplexity.txt, written for
+this benchmark) under PagedServe and under the float32 Hugging Face model.
 
 --plot PATH also writes the table as a PNG figure (needs matplotlib, the
 ``bench`` extra): output tokens/s and wall time per system. --constrained K
@@ -20,7 +29,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import time
+from importlib import resources
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -75,6 +86,36 @@ def constrained_row(llm, prompts, params, outs, k: int) -> None:
           f"cost {100 * (1 - ratio):.1f}%); unconstrained requests unchanged: {free}/{len(prompts) - k}")
 
 
+def perplexity_text() -> str:
+    """The fixed English text (about 400 words, written for this benchmark) whose perplexity is reported."""
+    return (resources.files("pagedserve.bench") / "data" / "perplexity.txt").read_text()
+
+
+@torch.inference_mode()
+def print_accuracy(llm, model, outs, reference: list[list[int]], output_len: int) -> None:
+    """Prints what quantisation costs in accuracy: greedy agreement of PagedServe's
+    outputs ``outs`` with the float32 reference sequences (static batching),
+    and the perplexity of the fixed text under PagedServe (prompt logprobs)
+    and under the float32 Hugging Face model."""
+    got = [o.outputs[0].token_ids for o in outs]
+    same = sum(g == r for g, r in zip(got, reference))
+    prefix = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(got, reference)]
+    positions = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
+    ids = llm.engine.tokenizer(perplexity_text())["input_ids"] if llm.engine.tokenizer else None
+    print(f"\naccuracy of {llm.engine.linear_impl} against float32 (greedy, {len(got)} sequences of {output_len} "
+          f"tokens): identical sequences {same}/{len(got)}; tokens before the first difference: mean "
+          f"{sum(prefix) / len(prefix):.1f} of {output_len}; same token at the same position: "
+          f"{positions / sum(map(len, reference)):.1%}")
+    if ids is None:
+        return
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    ours = math.exp(-sum(lp.logprob for lp in out.prompt_logprobs[1:]) / (len(ids) - 1))
+    logits = model(torch.tensor([ids])).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
+    print(f"perplexity of the fixed text ({len(ids)} tokens, pagedserve/bench/data/perplexity.txt): "
+          f"{llm.engine.linear_impl} {ours:.3f}, float32 {math.exp(float(nll)):.3f}")
+
+
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Runs the benchmark with command-line flags argv (default sys.argv[1:]) and prints its table.
     prog: the command name --help shows (default: the script's file name)."""
@@ -84,7 +125,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
-    ap.add_argument("--no-onednn-linear", action="store_true", help="PagedServe with torch's default GEMMs")
+    ap.add_argument("--linear-impl", default="auto", choices=["auto", "torch", "onednn"],
+                    help="PagedServe's GEMM path (auto: measured at start-up; the table names the one chosen)")
+    ap.add_argument("--model-impl", default="auto", choices=["auto", "pagedserve", "transformers"],
+                    help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")
+    ap.add_argument("--quantization", default="none", choices=["none", "q4", "int8"],
+                    help="PagedServe on quantised weights (q4: the GGUF's own Q4_1 blocks); also prints accuracy "
+                         "figures: greedy agreement with the float32 path and perplexity on a fixed text")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
     ap.add_argument("--plot", metavar="PATH", help="also write the results as a PNG figure to PATH")
     ap.add_argument("--constrained", type=int, default=0, metavar="K",
@@ -96,7 +143,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     plots.require_writable(ap, args.plot)
 
     llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
-              onednn_linear=not args.no_onednn_linear)
+              linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -131,13 +178,16 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     eng = llm.engine
     variant = type(eng.backend).active_variant()
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"greedy, float32, {torch.get_num_threads()} threads; PagedServe: attention backend {eng.backend.name}"
-          f"{f' ({variant} kernels)' if variant else ''}, linear layers: {eng.linear_path}")
+          f"greedy, float32 activations, {torch.get_num_threads()} threads; PagedServe: attention backend "
+          f"{eng.backend.name}{f' ({variant} kernels)' if variant else ''}; decoder forward {eng.model_impl}; "
+          f"linear layers: {eng.linear_path}; weights {eng.weight_bytes / 2**20:.0f} MiB")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
     print(f"|---|---:|---:|---:|")
     for name, dt, tps in rows:
         print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
     print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")
+    if args.quantization != "none":
+        print_accuracy(llm, model, outs, static, args.output_len)
     if args.plot:
         plot(rows, args.plot, title=f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} "
              f"output) tokens, greedy, float32, {torch.get_num_threads()} threads")

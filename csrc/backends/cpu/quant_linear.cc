@@ -1,0 +1,337 @@
+// QuantizedWeight: GGUF Q4_1 / Q8_0 weights repacked for the integer kernels
+// of quant_kernels.cc, the run-time choice of their variant, dequantisation
+// and the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
+// dequantisation must round d * q and + m separately, as numpy does).
+#include "quant_linear.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <system_error>
+
+#include "core/errors.h"
+#include "cpu_features.h"
+#include "cpu_isa.h"
+#include "thread_pool.h"
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+constexpr int kMaxLinearThreads = 1024;
+// Below this many (16-row group x 32-block x 4-row) tile passes a call runs on
+// the calling thread: waking the pool costs more than the work (measured on a
+// 2-core VM: a 1536->576 Q4_1 GEMV takes 25 us inline and 101 us through the
+// pool; the 576->49152 one 1258 us inline, 785 us on two threads).
+constexpr int64_t kInlineTilePasses = 512;
+constexpr int64_t kMaxDim = int64_t{1} << 31;
+constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is large
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+  uint32_t bits;
+  if (exp == 0) {
+    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
+    return sign ? -f : f;
+  }
+  if (exp == 31) {
+    bits = sign | 0x7F800000u | (man << 13);
+  } else {
+    bits = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+int tile_bytes(QType q) { return q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
+
+const QuantIsaVariant* find_quant(const std::string& name) {
+  for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    if (name == v.name) return &v;
+  }
+  return nullptr;
+}
+
+// The quantized variants' rank, and the highest rank the attention variant allows.
+int quant_rank(const std::string& name) {
+  if (name == "avx512_vnni") return 3;
+  if (name == "avx_vnni") return 2;
+  if (name == "avx2") return 1;
+  return 0;
+}
+
+int rank_cap(const std::string& attention_isa) {
+  if (attention_isa == "avx512" || attention_isa == "native") return 3;
+  if (attention_isa == "avx2") return 2;
+  return 0;
+}
+
+std::atomic<const QuantIsaVariant*> g_active{nullptr};
+
+// Per calling thread: the quantised activations of the call in flight.
+struct Scratch {
+  std::vector<int8_t> xq;
+  std::vector<float> xd, xs;
+  std::vector<int32_t> xsum;
+};
+
+}  // namespace
+
+const std::vector<QuantIsaVariant>& compiled_quant_isas() {
+  static const std::vector<QuantIsaVariant> variants = {
+      {"scalar", "nothing (plain C++)", [] { return true; }, &quant_kernel_table_scalar},
+#if defined(PAGEDSERVE_HAVE_QISA_AVX2)
+      {"avx2", "x86-64-v3: avx2 fma f16c bmi2", [] { return cpu_features().x86_64_v3(); }, &quant_kernel_table_avx2},
+#endif
+#if defined(PAGEDSERVE_HAVE_QISA_AVX_VNNI)
+      {"avx_vnni", "x86-64-v3 and avx_vnni",
+       [] { return cpu_features().x86_64_v3() && cpu_features().avx_vnni; }, &quant_kernel_table_avx_vnni},
+#endif
+#if defined(PAGEDSERVE_HAVE_QISA_AVX512_VNNI)
+      {"avx512_vnni", "x86-64-v4 and avx512_vnni",
+       [] { return cpu_features().x86_64_v4() && cpu_features().avx512_vnni; }, &quant_kernel_table_avx512_vnni},
+#endif
+  };
+  return variants;
+}
+
+const QuantIsaVariant& active_quant_isa() {
+  const QuantIsaVariant* v = g_active.load();
+  if (v != nullptr) return *v;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
+  if ((v = g_active.load()) != nullptr) return *v;
+  const int cap = rank_cap(active_isa().name);  // throws for a bad PAGEDSERVE_CPU_ISA
+  for (const QuantIsaVariant& c : compiled_quant_isas()) {
+    if (c.supported() && quant_rank(c.name) <= cap) v = &c;  // lowest first: the last is the best
+  }
+  g_active.store(v);
+  return *v;
+}
+
+void set_active_quant_isa(const std::string& name) {
+  const QuantIsaVariant* v = find_quant(name);
+  if (v == nullptr) {
+    std::string have;
+    for (const QuantIsaVariant& c : compiled_quant_isas()) have += std::string(have.empty() ? "" : ", ") + c.name;
+    throw InvalidArgumentError("set_quant_kernel_isa names quantized kernel variant '" + name +
+                               "', which this build does not have (compiled: " + have + ")");
+  }
+  if (!v->supported()) {
+    throw InvalidArgumentError("set_quant_kernel_isa names quantized kernel variant '" + name +
+                               "', which this CPU cannot execute (it needs " + v->requires_ + ")");
+  }
+  g_active.store(v);
+}
+
+QType parse_qtype(const std::string& name) {
+  if (name == "q4_1" || name == "Q4_1") return QType::kQ4_1;
+  if (name == "q8_0" || name == "Q8_0") return QType::kQ8_0;
+  throw KernelArgumentError("qtype must be 'q4_1' or 'q8_0', got '" + name + "'");
+}
+
+const char* qtype_name(QType q) { return q == QType::kQ4_1 ? "q4_1" : "q8_0"; }
+
+int64_t qtype_block_bytes(QType q) { return q == QType::kQ4_1 ? 20 : 34; }
+
+void QuantizedWeight::Free::operator()(uint8_t* p) const { ::operator delete(p, std::align_val_t(64)); }
+
+namespace {
+
+void check_dims(int64_t n, int64_t k) {
+  if (n < 1 || n > kMaxDim) {
+    throw KernelArgumentError("out_features must be in [1, 2^31], got " + std::to_string(n));
+  }
+  if (k < kQBlock || k > kMaxDim || k % kQBlock != 0) {
+    throw KernelArgumentError("in_features must be a positive multiple of 32 (GGUF blocks hold 32 elements), got " +
+                              std::to_string(k));
+  }
+  if (n * (k / kQBlock) > (int64_t{1} << 36)) {
+    throw KernelArgumentError("the weight has too many blocks (" + std::to_string(n) + " x " + std::to_string(k) +
+                              ")");
+  }
+}
+
+const TensorArg& checked_raw(const TensorArg& raw, QType q, int64_t n, int64_t k) {
+  check_dims(n, k);
+  raw.check_dtype(DType::kUInt8);
+  raw.check_dim(2);
+  raw.check_shape({n, k / kQBlock * qtype_block_bytes(q)});
+  raw.check_contiguous();
+  return raw;
+}
+
+}  // namespace
+
+QuantizedWeight::QuantizedWeight(const TensorArg& raw, const std::string& qtype, int64_t out_features,
+                                 int64_t in_features)
+    : QuantizedWeight(checked_raw(raw, parse_qtype(qtype), out_features, in_features).ptr<uint8_t>(),
+                      parse_qtype(qtype), out_features, in_features) {}
+
+QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_features, int64_t in_features)
+    : qtype_(qtype), n_(out_features), k_(in_features) {
+  check_dims(n_, k_);
+  const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(qtype_);
+  const int64_t bb = qtype_block_bytes(qtype_);
+  nbytes_ = groups * nb * tb;
+  tiles_.reset(static_cast<uint8_t*>(::operator new(static_cast<size_t>(nbytes_), std::align_val_t(64))));
+  uint8_t* tiles = tiles_.get();
+  std::memset(tiles, 0, static_cast<size_t>(nbytes_));  // padding rows: d = m = q = 0
+  for (int64_t row = 0; row < n_; ++row) {
+    const int64_t g = row / kQRows, j = row % kQRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* src = raw + (row * nb + b) * bb;
+      uint8_t* t = tiles + (g * nb + b) * tb;
+      if (qtype_ == QType::kQ4_1) {
+        std::memcpy(t + 2 * j, src, 2);           // d
+        std::memcpy(t + 32 + 2 * j, src + 2, 2);  // m
+        for (int p = 0; p < 4; ++p) std::memcpy(t + 64 + 64 * p + 4 * j, src + 4 + 4 * p, 4);
+      } else {
+        std::memcpy(t + 2 * j, src, 2);  // d
+        for (int c = 0; c < 8; ++c) std::memcpy(t + 32 + 64 * c + 4 * j, src + 2 + 4 * c, 4);
+      }
+    }
+  }
+}
+
+QuantizedWeight::~QuantizedWeight() = default;
+
+void QuantizedWeight::dequantize(const TensorArg& out) const {
+  out.check_dtype(DType::kFloat32);
+  out.check_dim(2);
+  out.check_shape({n_, k_});
+  out.check_contiguous();
+  float* o = out.ptr<float>();
+  const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
+  for (int64_t row = 0; row < n_; ++row) {
+    const int64_t g = row / kQRows, j = row % kQRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+      float* dst = o + row * k_ + b * kQBlock;
+      const float d = half_to_float(load_u16(t + 2 * j));
+      if (qtype_ == QType::kQ4_1) {
+        const float m = half_to_float(load_u16(t + 32 + 2 * j));
+        for (int p = 0; p < 4; ++p) {
+          for (int e = 0; e < 4; ++e) {
+            const uint8_t q = t[64 + 64 * p + 4 * j + e];
+            const float lo = d * static_cast<float>(q & 0x0F), hi = d * static_cast<float>(q >> 4);
+            dst[4 * p + e] = lo + m;  // two roundings (no FMA: -ffp-contract=off)
+            dst[16 + 4 * p + e] = hi + m;
+          }
+        }
+      } else {
+        for (int c = 0; c < 8; ++c) {
+          for (int e = 0; e < 4; ++e) {
+            dst[4 * c + e] = d * static_cast<float>(static_cast<int8_t>(t[32 + 64 * c + 4 * j + e]));
+          }
+        }
+      }
+    }
+  }
+}
+
+void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
+                             int num_threads) const {
+  x.check_dim(2);
+  if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16) {
+    throw KernelArgumentError(x.name + " must be float32 or bfloat16, got " + dtype_name(x.dtype));
+  }
+  const int64_t m = x.size(0);
+  x.check_shape({m, k_});
+  x.check_contiguous();
+  out.check_dtype(x.dtype);
+  out.check_dim(2);
+  out.check_shape({m, n_});
+  out.check_contiguous();
+  out.check_no_overlap();
+  if (bias != nullptr) {
+    bias->check_dtype(DType::kFloat32);
+    bias->check_dim(1);
+    bias->check_shape({n_});
+    bias->check_contiguous();
+  }
+  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
+  if (m == 0) return;
+  linear_raw(x.data, x.dtype, m, out.data, bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
+             active_quant_isa().table());
+}
+
+void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias,
+                                 int num_threads, const QuantKernelTable& kernels) const {
+  if (m <= 0) return;
+  const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows;
+  // the calling thread's buffers, named through a local reference: the pool's
+  // workers must see these, not their own thread_local instances
+  thread_local Scratch tls;
+  Scratch& s = tls;
+  s.xq.resize(static_cast<size_t>(m * k_));
+  s.xd.resize(static_cast<size_t>(m * nb));
+  s.xs.resize(static_cast<size_t>(m * nb));
+  s.xsum.resize(static_cast<size_t>(m * nb));
+
+  const int64_t passes = groups * nb * ((m + 3) / 4);
+  std::shared_ptr<ThreadPool> pool;
+  if (num_threads > 1 && passes >= kInlineTilePasses) {
+    try {
+      pool = ThreadPool::get(num_threads);
+    } catch (const std::system_error& e) {
+      throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
+    }
+  }
+
+  // 1. quantise the activations (rows in parallel when there are many)
+  constexpr int64_t kQuantRowsPerItem = 16;
+  if (pool && m >= 2 * kQuantRowsPerItem) {
+    pool->run((m + kQuantRowsPerItem - 1) / kQuantRowsPerItem, [&](int64_t i, int) {
+      kernels.quantize_rows(x, dtype, k_, i * kQuantRowsPerItem, std::min(m, (i + 1) * kQuantRowsPerItem),
+                            s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data());
+    });
+  } else {
+    kernels.quantize_rows(x, dtype, k_, 0, m, s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data());
+  }
+
+  // 2. the integer GEMM, over (row-group range, activation-row range) items
+  QuantGemmArgs a{};
+  a.qtype = qtype_;
+  a.w = tiles_.get();
+  a.n = n_;
+  a.k = k_;
+  a.m = m;
+  a.x = QuantActivations{s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data()};
+  a.bias = bias;
+  a.out = out;
+  a.out_dtype = dtype;
+  if (!pool) {
+    kernels.gemm(a, 0, groups, 0, m);
+    return;
+  }
+  const int64_t m_chunk = m <= kRowsPerItem ? m : kRowsPerItem;
+  const int64_t m_items = (m + m_chunk - 1) / m_chunk;
+  const int64_t target = 4 * static_cast<int64_t>(pool->num_threads());  // items to balance the threads
+  const int64_t g_items = std::min(groups, std::max<int64_t>(1, (target + m_items - 1) / m_items));
+  const int64_t g_chunk = (groups + g_items - 1) / g_items;
+  const int64_t g_count = (groups + g_chunk - 1) / g_chunk;
+  pool->run(g_count * m_items, [&](int64_t i, int) {
+    const int64_t gi = i % g_count, mi = i / g_count;
+    kernels.gemm(a, gi * g_chunk, std::min(groups, (gi + 1) * g_chunk), mi * m_chunk,
+                 std::min(m, (mi + 1) * m_chunk));
+  });
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

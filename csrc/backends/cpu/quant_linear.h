@@ -1,0 +1,108 @@
+// Native quantized linear layers for GGUF Q4_1 and Q8_0 weights on the CPU
+// (the default SmolLM2 GGUF: Q4_1 projections, a Q8_0 tied embedding /
+// lm_head), run the way llama.cpp runs them (our own code, not theirs): the
+// weights stay in their blocks, the activations are quantised per row in
+// groups of 32 to int8 (a scale and the group's sum per group, llama.cpp's Q8_1
+// idea), and the block dot products are integer SIMD: AVX512-VNNI / AVX-VNNI
+// vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, plain C++ elsewhere.
+//
+// The kernel variant is chosen at run time (quant_isa.h, compiled_quant_isas()
+// below): the best one this build has and this CPU executes, capped by the
+// attention kernels' variant (cpu_isa.h), so PAGEDSERVE_CPU_ISA=avx2 keeps the
+// quantized kernels at 256 bits and PAGEDSERVE_CPU_ISA=baseline makes them scalar.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backends/common/tensor_arg.h"
+#include "quant_isa.h"
+
+namespace pagedserve {
+namespace cpu {
+
+struct QuantIsaVariant {
+  const char* name;       // "scalar", "avx2", "avx_vnni" or "avx512_vnni"
+  const char* requires_;  // what the CPU must have, for messages
+  bool (*supported)();    // can this CPU execute it
+  const QuantKernelTable& (*table)();
+};
+
+// Quantized-kernel variants compiled into this build, lowest ISA first.
+const std::vector<QuantIsaVariant>& compiled_quant_isas();
+
+// The variant QuantizedWeight::linear runs with now. On first call: the best
+// compiled variant this CPU supports whose ISA does not exceed the attention
+// kernels' active variant (active_isa(): baseline/neon -> scalar, avx2 -> at
+// most avx_vnni, avx512/native -> any). Throws InvalidArgumentError where
+// active_isa() does (PAGEDSERVE_CPU_ISA naming an unusable variant).
+const QuantIsaVariant& active_quant_isa();
+
+// Makes `name` the active quantized variant (tests run each one). Throws
+// InvalidArgumentError if it is not compiled in or this CPU cannot execute it.
+void set_active_quant_isa(const std::string& name);
+
+// "q4_1" -> kQ4_1, "q8_0" -> kQ8_0; anything else throws KernelArgumentError.
+QType parse_qtype(const std::string& name);
+const char* qtype_name(QType q);
+// Bytes of one GGUF block: 20 (Q4_1: fp16 d, fp16 m, 16 nibble bytes), 34 (Q8_0: fp16 d, 32 int8).
+int64_t qtype_block_bytes(QType q);
+
+// A GGUF-quantized weight matrix W [N out, K in], repacked once into the
+// interleaved 16-row tiles of quant_isa.h (aligned memory it owns; the raw
+// bytes are not kept).
+class QuantizedWeight {
+ public:
+  // raw: uint8 [N, K/32 * block_bytes], contiguous: each row's GGUF blocks
+  // along K (what gguf.GGUFReader gives for a Q4_1 / Q8_0 tensor of shape
+  // [N, K]). qtype "q4_1" or "q8_0"; K a positive multiple of 32; N >= 1.
+  // Throws KernelArgumentError for a wrong dtype, shape, layout or qtype.
+  QuantizedWeight(const TensorArg& raw, const std::string& qtype, int64_t out_features, int64_t in_features);
+  // The same from a pointer to N * K/32 * block_bytes bytes (no checks on the memory itself).
+  QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_features, int64_t in_features);
+  ~QuantizedWeight();
+  QuantizedWeight(const QuantizedWeight&) = delete;
+  QuantizedWeight& operator=(const QuantizedWeight&) = delete;
+
+  QType qtype() const { return qtype_; }
+  int64_t out_features() const { return n_; }  // N
+  int64_t in_features() const { return k_; }   // K
+  // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
+  int64_t nbytes() const { return nbytes_; }
+
+  // out float32 [N, K] = the dequantised weights, bit-identical to gguf-py's
+  // numpy dequantisation: Q4_1 d * q + m, Q8_0 d * q, float32, the multiply
+  // and the add rounded separately (this file is built with -ffp-contract=off).
+  // Throws KernelArgumentError.
+  void dequantize(const TensorArg& out) const;
+
+  // out [M, N] = x [M, K] . W^T (+ bias [N]), x and out float32 or bfloat16
+  // (the same dtype), contiguous; bias float32 [N] contiguous or nullptr.
+  // x is quantised per row and 32-group to int8 (d = amax / 127, q =
+  // round-half-even(x / d), all zero for an all-zero group), then the integer
+  // block dots of the active variant, accumulated in float32 across blocks.
+  // The work is split over N (row groups of 16) and, for large M, over M, on
+  // num_threads (1 .. 1024) threads of the shared pool (thread_pool.h); small
+  // problems run on the calling thread. M may be 0 (nothing happens).
+  // Throws KernelArgumentError (before writing anything).
+  void linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
+
+  // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
+  // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
+  void linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias, int num_threads,
+                  const QuantKernelTable& kernels) const;
+
+ private:
+  struct Free {
+    void operator()(uint8_t* p) const;
+  };
+  QType qtype_;
+  int64_t n_, k_, nbytes_;
+  std::unique_ptr<uint8_t, Free> tiles_;
+};
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,175 @@
+"""PagedServe's lean forward for Llama-family decoders (``--model-impl``).
+
+The Hugging Face modules run one Python ``forward`` per module per layer and
+several small torch ops per norm, rotary embedding and activation. This path
+runs the same weights as one flat loop over the step's T tokens:
+
+  per layer:  [fused add +] RMSNorm -> qkv_proj (q, k, v fused in one GEMM)
+              -> RoPE on q and k in place -> reshape_and_cache + paged attention
+              -> o_proj -> fused add + RMSNorm -> gate_up_proj (one GEMM)
+              -> SiLU-and-mul -> down_proj
+
+with RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021) and SiLU-and-mul
+done by the C++ CPU ops of ``_core.cpu`` (the names and the fused-residual
+scheme are vLLM's). Everything else — weights, their GEMM path (the chooser's
+or a quantised one), the attention backend — is what the Hugging Face path
+uses, so in float32 the two differ only in summation order (tests check the
+greedy tokens are the same and the logits within 1e-4). The Hugging Face
+modules stay the reference (the start-up check compares with them) and the
+path for every other architecture.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .. import _core
+from .attention import ForwardContext
+
+# rope types whose frequencies do not depend on the sequence length (a table per position is exact)
+STATIC_ROPE_TYPES = ("default", "linear", "llama3")
+
+# Builds the module computing x @ cat(W_i).T (+ cat(b_i)) from the listed layers (same in_features), as the
+# engine runs linear layers (its GEMM path or quantised weights). names: the modules' qualified names.
+FuseLinear = Callable[[list[torch.nn.Linear], list[str]], torch.nn.Module]
+
+
+def why_not_lean(config, device: torch.device) -> str | None:
+    """Why the lean forward cannot serve a model with this transformers config
+    on ``device``, or None if it can (Llama architecture, SiLU MLP, no tensor
+    parallel split, a rope whose table per position is exact)."""
+    if device.type != "cpu":
+        return f"its ops are CPU ops (device {device})"
+    if getattr(config, "model_type", None) != "llama":
+        return f"it implements the Llama architecture only (this model: {getattr(config, 'model_type', None)})"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"the MLP activation is {config.hidden_act}, not silu"
+    if (getattr(config, "pretraining_tp", 1) or 1) != 1:
+        return "pretraining_tp > 1 splits the linear layers"
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else "default"
+    if rope_type not in STATIC_ROPE_TYPES:
+        return f"rope type {rope_type} is not a fixed table per position"
+    return None
+
+
+class LeanLlamaLayer(torch.nn.Module):
+    """One decoder layer's weights in the lean path's form.
+
+    Attributes:
+        qkv_proj: [T, hidden] -> [T, (Hq + 2 Hkv) D] (q, k, v rows concatenated).
+        o_proj: [T, Hq D] -> [T, hidden].
+        gate_up_proj: [T, hidden] -> [T, 2 I] (gate rows, then up rows).
+        down_proj: [T, I] -> [T, hidden].
+        input_layernorm, post_attention_layernorm: [hidden] RMSNorm weights.
+    """
+
+    def __init__(self, layer, fuse: FuseLinear, prefix: str) -> None:
+        super().__init__()
+        a, m = layer.self_attn, layer.mlp
+        self.qkv_proj = fuse([a.q_proj, a.k_proj, a.v_proj],
+                             [f"{prefix}.self_attn.{n}_proj" for n in "qkv"])
+        self.o_proj = fuse([a.o_proj], [f"{prefix}.self_attn.o_proj"])
+        self.gate_up_proj = fuse([m.gate_proj, m.up_proj], [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"])
+        self.down_proj = fuse([m.down_proj], [f"{prefix}.mlp.down_proj"])
+        self.input_layernorm = layer.input_layernorm.weight.detach()
+        self.post_attention_layernorm = layer.post_attention_layernorm.weight.detach()
+        self.eps = float(layer.input_layernorm.variance_epsilon)
+        self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
+
+
+class LeanLlamaDecoder(torch.nn.Module):
+    """The Llama decoder (embeddings, layers, final norm) as one flat loop.
+
+    Args:
+        hf_model: a transformers LlamaForCausalLM (why_not_lean(config) is None).
+        fuse: how to build each (fused) linear layer (see FuseLinear).
+        max_model_len: positions the rotary table covers (tokens).
+    Raises:
+        ValueError if why_not_lean(config, cpu) gives a reason.
+    """
+
+    def __init__(self, hf_model, fuse: FuseLinear, max_model_len: int) -> None:
+        super().__init__()
+        config = hf_model.config
+        why = why_not_lean(config, torch.device("cpu"))
+        if why is not None:
+            raise ValueError(f"no lean forward for this model: {why}")
+        inner = hf_model.model
+        self.embed_tokens = inner.embed_tokens
+        self.layers = torch.nn.ModuleList(LeanLlamaLayer(layer, fuse, f"model.layers.{i}")
+                                          for i, layer in enumerate(inner.layers))
+        self.norm = inner.norm.weight.detach()
+        self.norm_eps = float(inner.norm.variance_epsilon)
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.scale = self.head_dim ** -0.5
+        # the same float32 cos/sin Hugging Face's rotary module computes for each position (times its attention
+        # scaling), as vLLM's cos_sin_cache: [max_model_len, D] = cos of the D/2 frequencies, then their sin
+        positions = torch.arange(max_model_len)[None]
+        probe = torch.zeros(1, dtype=torch.float32)
+        cos, sin = inner.rotary_emb(probe, position_ids=positions)
+        half = self.head_dim // 2
+        self.register_buffer("cos_sin_cache", torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float()
+                             .contiguous(), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64 (the step's flat batch) -> final hidden
+        states [T, hidden] in the model's dtype. Writes each layer's K/V into the
+        paged store at ctx.slot_mapping and attends with ctx.plan (counted in
+        ctx.calls, as the Hugging Face path's attention hook does). Raises
+        KernelArgumentError (a ValueError) on a position past the rotary table."""
+        ops, threads = _core.cpu, torch.get_num_threads()
+        t = input_ids.shape[0]
+        hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
+        h = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = h
+                h = torch.empty_like(residual)
+                ops.rms_norm(h, residual, layer.input_layernorm, layer.eps, threads)
+            else:
+                ops.fused_add_rms_norm(h, residual, layer.input_layernorm, layer.eps, threads)
+            qkv = layer.qkv_proj(h)
+            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
+            ops.rotary_embedding(positions, q, k, d, self.cos_sin_cache, True, threads)
+            ctx.calls += 1
+            ctx.windows.add(None)
+            k_cache, v_cache = ctx.kv_cache.layer(i)
+            ctx.backend.reshape_and_cache(k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d),
+                                          k_cache, v_cache, ctx.slot_mapping)
+            attn = ctx.backend.paged_attention(q.view(t, self.num_heads, d), k_cache, v_cache, ctx.plan, self.scale)
+            h = layer.o_proj(attn.view(t, hq))
+            ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, layer.eps_post, threads)
+            gate_up = layer.gate_up_proj(h)
+            act = torch.empty((t, gate_up.shape[1] // 2), dtype=gate_up.dtype)
+            ops.silu_and_mul(act, gate_up, threads)
+            h = layer.down_proj(act)
+        ops.fused_add_rms_norm(h, residual, self.norm, self.norm_eps, threads)
+        return h
+
+
+def fuse_plain(make: Callable[[torch.nn.Linear], torch.nn.Module]) -> FuseLinear:
+    """A FuseLinear for float weights: concatenates the layers' weights (and
+    biases; a missing bias counts as zeros when another layer has one) into one
+    nn.Linear of the same dtype and hands it to ``make`` (the GEMM path)."""
+
+    def fuse(linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
+        if len(linears) == 1:
+            return make(linears[0])
+        weight = torch.cat([lin.weight.detach() for lin in linears])
+        out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(lin.bias is not None for lin in linears),
+                              dtype=weight.dtype, device=weight.device)
+        with torch.no_grad():
+            out.weight.copy_(weight)
+            if out.bias is not None:
+                out.bias.copy_(torch.cat([lin.bias.detach() if lin.bias is not None else
+                                          torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears]))
+        return make(out)
+
+    return fuse

@@ -1,0 +1,119 @@
+"""Turns a loaded transformers model into what the engine runs: the linear
+layers on their GEMM path (measured, ``--linear-impl``) or on quantised
+weights (``--quantization``), and the decoder on PagedServe's lean forward
+where the architecture has one (``--model-impl``). Runs after the start-up
+check's reference logits were taken from the model as loaded."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .. import _core
+from .lean_llama import LeanLlamaDecoder, fuse_plain, why_not_lean
+from .linear import choose_linear_impl, describe, make_linear, swap_linears
+from .quantization import GGUFBlocks, QuantLinear, Quantizer, quantize_model
+
+logger = logging.getLogger(__name__)
+
+QUANTIZED_POOL_SPIN_US = 100  # microseconds the CPU kernels' idle threads poll before sleeping (quantised path)
+
+
+@dataclass
+class PreparedModel:
+    """What prepare_model did.
+
+    Attributes:
+        lean: the lean decoder (called by ModelRunner instead of the Hugging
+            Face decoder), or None.
+        model_impl: "pagedserve" or "transformers", and why (for the log).
+        linear_impl: the GEMM path ("torch", "onednn") or the quantisation ("q4", "int8").
+        linear_path: one line naming the linear layers' path and why.
+        weight_bytes: bytes of the weights the engine computes with.
+    """
+
+    lean: LeanLlamaDecoder | None
+    model_impl: str
+    linear_impl: str
+    linear_path: str
+    weight_bytes: int
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the distinct tensors (parameters and buffers) and quantised blocks
+    a model holds; tied weights count once."""
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.nbytes
+    for t in list(model.parameters()) + list(model.buffers()):
+        try:
+            key = (t.untyped_storage().data_ptr(), t.dtype)
+        except (RuntimeError, NotImplementedError):  # opaque layouts
+            key = id(t)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int, *,
+                  linear_impl: str = "auto", quantization: str = "none", model_impl: str = "auto",
+                  gguf_path: Path | None = None) -> PreparedModel:
+    """Prepares ``model`` (a transformers causal LM on ``device``) in place.
+
+    Args:
+        linear_impl, quantization, model_impl: EngineArgs' fields of the same names.
+        gguf_path: the GGUF file the model was converted from, or None (its own
+            Q4_1 / Q8_0 blocks are used by --quantization).
+    Raises:
+        ValueError: a quantisation off the CPU, a named GEMM path that cannot run
+            here, --model-impl pagedserve for an architecture without a lean forward.
+    """
+    config = model.config
+    if model_impl == "transformers":
+        why_lean = "--model-impl transformers"
+    else:
+        why_lean = why_not_lean(config, device)
+        if why_lean is not None and model_impl == "pagedserve":
+            raise ValueError(f"--model-impl pagedserve: no lean forward for this model: {why_lean}")
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on the CPU only (device {device})")
+        quantizer = Quantizer(quantization, config, GGUFBlocks.read(gguf_path) if gguf_path else None)
+        fuse, impl = quantizer.linear, quantization
+    else:
+        choice = choose_linear_impl(model, dtype, device, linear_impl)
+        impl = choice.impl
+        fuse = fuse_plain(lambda lin: make_linear(lin, impl))
+    lean = None
+    if why_lean is None:
+        lean = LeanLlamaDecoder(model, fuse, max_model_len)
+        model.lm_head = fuse([model.lm_head], ["lm_head"])
+        model.model.layers = torch.nn.ModuleList()  # the lean layers hold what they need; the rest is freed
+        model.pagedserve_decoder = lean
+        why = "pagedserve (lean Llama forward)"
+    else:
+        if quantization != "none":
+            quantize_model(model, quantizer)
+        else:
+            swap_linears(model, impl)
+        why = f"transformers ({why_lean})"
+    # our kernels make all of a quantised step's GEMMs: their thread pool polls between back-to-back calls
+    # instead of sleeping; with torch's GEMMs in between, polling would take the cores from OpenMP's threads
+    _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if quantization != "none" else 0)
+    if quantization != "none":
+        source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
+        path = (f"{quantization}: {quantizer.qtype} blocks, int8 activations ({source}, {quantizer.requantized} "
+                f"quantised here; kernel {_kernel_isa()})")
+    else:
+        path = describe(choice)
+    return PreparedModel(lean, why, impl, path, weight_bytes(model))
+
+
+def _kernel_isa() -> str:
+    return _core.cpu.quant_kernel_isa()

@@ -1,0 +1,471 @@
+// QuantizedWeight (csrc/backends/cpu/quant_linear.h): every quantized-kernel
+// variant this CPU runs against (a) a scalar reference of the same integer
+// math written here from the raw GGUF bytes (tight tolerance) and (b) the
+// float32 matmul of the dequantised weights (a bound from the int8 activation
+// rounding); dequantize bit-exact; typed errors for bad arguments.
+// Built with -ffp-contract=off (tests/cpp/CMakeLists.txt): the reference's
+// d * q + m must round twice, as numpy does.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/cpu_features.h"
+#include "backends/cpu/cpu_isa.h"
+#include "backends/cpu/quant_linear.h"
+#include "core/errors.h"
+
+using namespace pagedserve;
+using namespace pagedserve::cpu;
+
+namespace {
+
+template <typename T>
+TensorArg arg(std::vector<T>& v, std::vector<int64_t> shape, DType dtype, const char* name) {
+  TensorArg a;
+  a.data = v.data();
+  a.dtype = dtype;
+  a.shape = shape;
+  a.strides.assign(shape.size(), 1);
+  for (size_t i = shape.size(); i-- > 1;) a.strides[i - 1] = a.strides[i] * shape[i];
+  a.name = name;
+  return a;
+}
+
+float half_to_float(uint16_t h) {
+  const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+  float v;
+  if (exp == 0) v = std::ldexp(static_cast<float>(man), -24);
+  else if (exp == 31) v = man ? NAN : INFINITY;
+  else v = std::ldexp(static_cast<float>(man + 1024), exp - 25);
+  return (h & 0x8000) ? -v : v;
+}
+
+// float -> half, truncating the mantissa (values in the normal half range).
+uint16_t float_to_half(float f) {
+  if (f == 0.f) return 0;
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  const uint32_t sign = (b >> 16) & 0x8000u;
+  int exp = static_cast<int>((b >> 23) & 0xFF) - 127 + 15;
+  if (exp < 1) exp = 1;
+  if (exp > 30) exp = 30;
+  return static_cast<uint16_t>(sign | (static_cast<uint32_t>(exp) << 10) | ((b >> 13) & 0x3FF));
+}
+
+float bf16_round(float f) {  // float -> bfloat16 -> float, nearest even
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  b += 0x7FFF + ((b >> 16) & 1);
+  b &= 0xFFFF0000u;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+uint16_t to_bf16_bits(float f) {
+  f = bf16_round(f);
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return static_cast<uint16_t>(b >> 16);
+}
+
+float from_bf16_bits(uint16_t h) {
+  const uint32_t b = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+int64_t block_bytes(QType q) { return q == QType::kQ4_1 ? 20 : 34; }
+
+// Random GGUF blocks for an [n, k] weight; `extreme` mixes in saturated quants,
+// negative / tiny / large scales.
+std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& rng, bool extreme = false) {
+  const int64_t nb = k / 32, bb = block_bytes(q);
+  std::vector<uint8_t> raw(n * nb * bb);
+  std::uniform_real_distribution<float> ud(0.001f, 0.05f), um(-0.4f, 0.1f);
+  std::uniform_int_distribution<int> byte(0, 255), pick(0, 5);
+  for (int64_t i = 0; i < n * nb; ++i) {
+    uint8_t* b = raw.data() + i * bb;
+    float d = ud(rng), m = um(rng);
+    int mode = extreme ? pick(rng) : 5;
+    if (mode == 0) d = -d;
+    if (mode == 1) d = 60000.f;
+    if (mode == 2) d = 1e-4f;
+    const uint16_t dh = float_to_half(d), mh = float_to_half(m);
+    std::memcpy(b, &dh, 2);
+    if (q == QType::kQ4_1) {
+      std::memcpy(b + 2, &mh, 2);
+      for (int j = 0; j < 16; ++j) b[4 + j] = static_cast<uint8_t>(mode == 3 ? 0xFF : mode == 4 ? 0x00 : byte(rng));
+    } else {
+      for (int j = 0; j < 32; ++j) {
+        b[2 + j] = static_cast<uint8_t>(mode == 3 ? 0x80 : mode == 4 ? 0x7F : byte(rng));  // -128 / 127 too
+      }
+    }
+  }
+  return raw;
+}
+
+// Element (row, col) of the dequantised weight (numpy's formula, float32).
+float weight_at(const std::vector<uint8_t>& raw, QType q, int64_t k, int64_t row, int64_t col) {
+  const int64_t nb = k / 32;
+  const uint8_t* b = raw.data() + (row * nb + col / 32) * block_bytes(q);
+  const int e = static_cast<int>(col % 32);
+  uint16_t dh;
+  std::memcpy(&dh, b, 2);
+  const float d = half_to_float(dh);
+  if (q == QType::kQ4_1) {
+    uint16_t mh;
+    std::memcpy(&mh, b + 2, 2);
+    const int qv = e < 16 ? (b[4 + e] & 0x0F) : (b[4 + e - 16] >> 4);
+    const float prod = d * static_cast<float>(qv);
+    return prod + half_to_float(mh);
+  }
+  return d * static_cast<float>(static_cast<int8_t>(b[2 + e]));
+}
+
+int weight_q(const std::vector<uint8_t>& raw, QType q, int64_t k, int64_t row, int64_t col) {
+  const uint8_t* b = raw.data() + (row * (k / 32) + col / 32) * block_bytes(q);
+  const int e = static_cast<int>(col % 32);
+  if (q == QType::kQ4_1) return e < 16 ? (b[4 + e] & 0x0F) : (b[4 + e - 16] >> 4);
+  return static_cast<int8_t>(b[2 + e]);
+}
+
+struct RefOut {
+  std::vector<double> value;  // [m, n] the integer-math result
+  std::vector<double> scale;  // [m, n] sum of |terms|: the tight tolerance's scale
+  std::vector<double> qerr;   // [m, n] bound of the activation rounding's effect
+};
+
+// The same integer math as the kernels, in double: x quantised per 32-group
+// (d = amax / 127, q = nearest-even(x / d) as x * (1 / d)), per block
+// d_w * xd * sum(q_w * xq) (+ m * xd * sum(xq) for Q4_1).
+RefOut reference(const std::vector<uint8_t>& raw, QType q, int64_t n, int64_t k, const std::vector<float>& x,
+                 int64_t m, const std::vector<float>* bias) {
+  RefOut r;
+  r.value.assign(m * n, 0.0);
+  r.scale.assign(m * n, 0.0);
+  r.qerr.assign(m * n, 0.0);
+  const int64_t nb = k / 32;
+  std::vector<int> xq(k);
+  std::vector<float> xd(nb);
+  std::vector<int> xsum(nb);
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t b = 0; b < nb; ++b) {
+      float amax = 0.f;
+      for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(x[i * k + b * 32 + e]));
+      const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+      xd[b] = d;
+      xsum[b] = 0;
+      for (int e = 0; e < 32; ++e) {
+        float t = x[i * k + b * 32 + e] * id;
+        t = std::min(127.f, std::max(-127.f, t));
+        xq[b * 32 + e] = static_cast<int>(std::nearbyint(t));
+        xsum[b] += xq[b * 32 + e];
+      }
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      double acc = 0, sc = 0, qe = 0;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* blk = raw.data() + (j * nb + b) * block_bytes(q);
+        uint16_t dh;
+        std::memcpy(&dh, blk, 2);
+        const double dw = half_to_float(dh);
+        long isum = 0;
+        double wabs = 0;
+        for (int e = 0; e < 32; ++e) {
+          isum += static_cast<long>(weight_q(raw, q, k, j, b * 32 + e)) * xq[b * 32 + e];
+          wabs += std::fabs(weight_at(raw, q, k, j, b * 32 + e));
+        }
+        double t = dw * xd[b] * static_cast<double>(isum);
+        acc += t;
+        sc += std::fabs(t);
+        if (q == QType::kQ4_1) {
+          uint16_t mh;
+          std::memcpy(&mh, blk + 2, 2);
+          const double tm = static_cast<double>(half_to_float(mh)) * (static_cast<double>(xd[b]) * xsum[b]);
+          acc += tm;
+          sc += std::fabs(tm);
+        }
+        qe += wabs * xd[b] * 0.5;  // |x - xd * xq| <= xd / 2 per element
+      }
+      if (bias) {
+        acc += (*bias)[j];
+        sc += std::fabs((*bias)[j]);
+      }
+      r.value[i * n + j] = acc;
+      r.scale[i * n + j] = sc;
+      r.qerr[i * n + j] = qe;
+    }
+  }
+  return r;
+}
+
+// Restores the active quantized variant after a test that switches it.
+struct QuantIsaGuard {
+  std::string saved = active_quant_isa().name;
+  ~QuantIsaGuard() { set_active_quant_isa(saved); }
+};
+
+const QuantIsaVariant* find_variant(const std::string& name) {
+  for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    if (name == v.name) return &v;
+  }
+  return nullptr;
+}
+
+class QuantLinearVariant : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    const QuantIsaVariant* v = find_variant(GetParam());
+    if (v == nullptr) GTEST_SKIP() << "variant " << GetParam() << " is not compiled into this build";
+    if (!v->supported()) GTEST_SKIP() << "this CPU cannot run " << GetParam() << ": it needs " << v->requires_;
+    std::cout << "[ isa ] quantized variant " << GetParam() << " runs\n";
+  }
+};
+
+// Runs one case under the active variant and checks both references.
+void check_case(QType q, int64_t n, int64_t k, int64_t m, bool with_bias, bool bf16, int threads, uint32_t seed,
+                bool extreme, double zero_row_fraction = 0.0) {
+  SCOPED_TRACE(std::string(qtype_name(q)) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+               " m=" + std::to_string(m) + " bias=" + std::to_string(with_bias) + " bf16=" + std::to_string(bf16) +
+               " threads=" + std::to_string(threads) + " extreme=" + std::to_string(extreme));
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> raw = random_blocks(q, n, k, rng, extreme);
+  QuantizedWeight w(raw.data(), q, n, k);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::uniform_real_distribution<float> u01(0.f, 1.f);
+  std::vector<float> x(m * k);
+  for (int64_t i = 0; i < m; ++i) {
+    const bool zero = u01(rng) < zero_row_fraction;
+    for (int64_t e = 0; e < k; ++e) {
+      float v = zero ? 0.f : nd(rng);
+      if (extreme && e % 37 == 0) v *= 1000.f;  // outliers
+      x[i * k + e] = bf16 ? bf16_round(v) : v;
+    }
+  }
+  std::vector<float> bias(n);
+  for (auto& b : bias) b = nd(rng);
+  std::vector<float> out_f(m * n, -7.f);
+  std::vector<uint16_t> xb(m * k), out_b(m * n, 0);
+  for (int64_t i = 0; i < m * k; ++i) xb[i] = to_bf16_bits(x[i]);
+  auto bias_arg = arg(bias, {n}, DType::kFloat32, "bias");
+  if (bf16) {
+    w.linear(arg(xb, {m, k}, DType::kBFloat16, "x"), arg(out_b, {m, n}, DType::kBFloat16, "out"),
+             with_bias ? &bias_arg : nullptr, threads);
+    for (int64_t i = 0; i < m * n; ++i) out_f[i] = from_bf16_bits(out_b[i]);
+  } else {
+    w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(out_f, {m, n}, DType::kFloat32, "out"),
+             with_bias ? &bias_arg : nullptr, threads);
+  }
+  const RefOut ref = reference(raw, q, n, k, x, m, with_bias ? &bias : nullptr);
+  // float reference: x (as given) . dequantised W^T
+  int bad = 0;
+  for (int64_t i = 0; i < m && bad < 5; ++i) {
+    for (int64_t j = 0; j < n && bad < 5; ++j) {
+      const double got = out_f[i * n + j], want = ref.value[i * n + j];
+      const double out_round = bf16 ? std::fabs(want) * (1.0 / 256) : 0.0;
+      const double tight = 2e-6 * ref.scale[i * n + j] + out_round + 1e-30;
+      if (!(std::fabs(got - want) <= tight)) {
+        ADD_FAILURE() << "integer reference mismatch at [" << i << ", " << j << "]: got " << got << " want " << want
+                      << " tol " << tight;
+        ++bad;
+      }
+      double fl = with_bias ? bias[j] : 0.0;
+      for (int64_t e = 0; e < k; ++e) fl += static_cast<double>(x[i * k + e]) * weight_at(raw, q, k, j, e);
+      const double loose = ref.qerr[i * n + j] * 1.001 + tight;
+      if (!(std::fabs(got - fl) <= loose)) {
+        ADD_FAILURE() << "float reference mismatch at [" << i << ", " << j << "]: got " << got << " want " << fl
+                      << " tol " << loose;
+        ++bad;
+      }
+    }
+  }
+}
+
+TEST_P(QuantLinearVariant, MatchesTheIntegerAndFloatReferences) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  uint32_t seed = 1;
+  const int64_t shapes[][2] = {{13, 32}, {40, 96}, {77, 576}};
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    for (const auto& s : shapes) {
+      for (int64_t m : {1, 2, 7, 32, 33, 128}) {
+        const bool with_bias = (seed % 2) == 0, bf16 = (seed % 3) == 0;
+        check_case(q, s[0], s[1], m, with_bias, bf16, seed % 4 == 1 ? 1 : 3, seed, false);
+        ++seed;
+        if (HasFailure()) return;
+      }
+    }
+  }
+}
+
+TEST_P(QuantLinearVariant, ExtremeBlocksZeroRowsAndBfloat16) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    check_case(q, 33, 128, 33, true, false, 2, 11, true, 0.3);
+    check_case(q, 33, 128, 7, false, true, 1, 12, true, 0.3);
+    check_case(q, 50, 64, 128, true, true, 3, 13, false, 0.5);
+  }
+}
+
+TEST_P(QuantLinearVariant, AZeroRowGivesTheBiasExactly) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    std::mt19937 rng(3);
+    const int64_t n = 21, k = 64, m = 3;
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    QuantizedWeight w(raw.data(), q, n, k);
+    std::vector<float> x(m * k, 0.f), out(m * n, 1.f), bias(n);
+    for (int64_t j = 0; j < n; ++j) bias[j] = 0.25f * static_cast<float>(j) - 2.f;
+    auto b = arg(bias, {n}, DType::kFloat32, "bias");
+    w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(out, {m, n}, DType::kFloat32, "out"), &b, 1);
+    for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(out[i], bias[i % n]);
+    w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(out, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+    for (int64_t i = 0; i < m * n; ++i) EXPECT_EQ(out[i], 0.f);
+  }
+}
+
+TEST_P(QuantLinearVariant, GivesTheScalarVariantsResultClosely) {
+  QuantIsaGuard guard;
+  std::mt19937 rng(5);
+  const int64_t n = 100, k = 320, m = 37;
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    QuantizedWeight w(raw.data(), q, n, k);
+    std::vector<float> x(m * k), a(m * n), b(m * n);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    for (auto& v : x) v = nd(rng);
+    set_active_quant_isa("scalar");
+    w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(a, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+    set_active_quant_isa(GetParam());
+    w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(b, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+    double num = 0, den = 0;
+    for (int64_t i = 0; i < m * n; ++i) {
+      num += (a[i] - b[i]) * (a[i] - b[i]);
+      den += a[i] * a[i];
+    }
+    EXPECT_LT(std::sqrt(num / den), 1e-6) << qtype_name(q);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,
+                         ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+TEST(QuantLinear, DequantizeIsBitExact) {
+  std::mt19937 rng(9);
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    for (bool extreme : {false, true}) {
+      const int64_t n = 37, k = 96;
+      std::vector<uint8_t> raw = random_blocks(q, n, k, rng, extreme);
+      // a subnormal scale and a negative zero scale too
+      const uint16_t sub = 0x0003, negzero = 0x8000;
+      std::memcpy(raw.data(), &sub, 2);
+      std::memcpy(raw.data() + block_bytes(q), &negzero, 2);
+      QuantizedWeight w(raw.data(), q, n, k);
+      EXPECT_EQ(w.nbytes(), (n + 15) / 16 * 16 * (k / 32) * block_bytes(q));
+      std::vector<float> out(n * k, NAN);
+      w.dequantize(arg(out, {n, k}, DType::kFloat32, "out"));
+      for (int64_t r = 0; r < n; ++r) {
+        for (int64_t c = 0; c < k; ++c) {
+          const float want = weight_at(raw, q, k, r, c), got = out[r * k + c];
+          ASSERT_EQ(std::memcmp(&want, &got, 4), 0) << qtype_name(q) << " [" << r << ", " << c << "] " << got
+                                                     << " vs " << want;
+        }
+      }
+    }
+  }
+}
+
+TEST(QuantLinear, BadArgumentsRaiseKernelArgumentError) {
+  std::mt19937 rng(4);
+  const int64_t n = 20, k = 64;
+  std::vector<uint8_t> raw = random_blocks(QType::kQ4_1, n, k, rng);
+  const int64_t rb = k / 32 * 20;
+  auto raw_arg = arg(raw, {n, rb}, DType::kUInt8, "raw");
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_0", n, k), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q8_0", n, k), KernelArgumentError);  // shape for q4_1
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", n, 48), KernelArgumentError);  // K not a multiple of 32
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", n, 0), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", 0, k), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", n + 1, k), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(arg(raw, {n * rb}, DType::kUInt8, "raw"), "q4_1", n, k), KernelArgumentError);
+  std::vector<int32_t> raw32(n * rb / 4);
+  EXPECT_THROW(QuantizedWeight(arg(raw32, {n, rb / 4}, DType::kInt32, "raw"), "q4_1", n, k), KernelArgumentError);
+  auto strided = raw_arg;
+  strided.shape = {n / 2, rb};
+  strided.strides = {2 * rb, 1};
+  EXPECT_THROW(QuantizedWeight(strided, "q4_1", n / 2, k), KernelArgumentError);
+
+  QuantizedWeight w(raw_arg, "q4_1", n, k);
+  EXPECT_EQ(w.out_features(), n);
+  EXPECT_EQ(w.in_features(), k);
+  EXPECT_EQ(w.qtype(), QType::kQ4_1);
+  const int64_t m = 3;
+  std::vector<float> x(m * k, 1.f), out(m * n), bias(n), wide(m * (n + 1));
+  std::vector<uint16_t> xb(m * k), outb(m * n);
+  std::vector<int32_t> xi(m * k);
+  auto X = arg(x, {m, k}, DType::kFloat32, "x");
+  auto O = arg(out, {m, n}, DType::kFloat32, "out");
+  auto B = arg(bias, {n}, DType::kFloat32, "bias");
+  EXPECT_NO_THROW(w.linear(X, O, &B, 2));
+  EXPECT_THROW(w.linear(arg(xi, {m, k}, DType::kInt32, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(arg(x, {m * k}, DType::kFloat32, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(arg(x, {m * 2, k / 2}, DType::kFloat32, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(X, arg(outb, {m, n}, DType::kBFloat16, "out"), nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(arg(xb, {m, k}, DType::kBFloat16, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(X, arg(wide, {m, n + 1}, DType::kFloat32, "out"), nullptr, 1), KernelArgumentError);
+  auto Ot = O;
+  Ot.strides = {1, m};  // transposed view
+  EXPECT_THROW(w.linear(X, Ot, nullptr, 1), KernelArgumentError);
+  auto Ob = O;
+  Ob.strides = {0, 1};  // broadcast rows: overlapping output
+  EXPECT_THROW(w.linear(X, Ob, nullptr, 1), KernelArgumentError);
+  auto Bs = arg(bias, {n - 1}, DType::kFloat32, "bias");
+  EXPECT_THROW(w.linear(X, O, &Bs, 1), KernelArgumentError);
+  auto Bb = arg(xb, {n}, DType::kBFloat16, "bias");
+  EXPECT_THROW(w.linear(X, O, &Bb, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear(X, O, nullptr, 0), KernelArgumentError);
+  EXPECT_THROW(w.linear(X, O, nullptr, 100000), KernelArgumentError);
+  std::vector<float> d(n * k);
+  EXPECT_THROW(w.dequantize(arg(d, {n, k - 32}, DType::kFloat32, "out")), KernelArgumentError);
+  EXPECT_THROW(w.dequantize(arg(xb, {m, k}, DType::kBFloat16, "out")), KernelArgumentError);
+  // M = 0 is allowed and writes nothing
+  EXPECT_NO_THROW(w.linear(arg(x, {0, k}, DType::kFloat32, "x"), arg(out, {0, n}, DType::kFloat32, "out"), nullptr,
+                           1));
+}
+
+TEST(QuantIsa, TheBestSupportedVariantWithinTheAttentionCapIsActive) {
+  const std::string attention = active_isa().name;
+  const int cap = attention == "avx512" || attention == "native" ? 3 : attention == "avx2" ? 2 : 0;
+  const auto rank = [](const std::string& s) {
+    return s == "avx512_vnni" ? 3 : s == "avx_vnni" ? 2 : s == "avx2" ? 1 : 0;
+  };
+  std::string best;
+  for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    if (v.supported() && rank(v.name) <= cap) best = v.name;
+  }
+  const std::string active = active_quant_isa().name;
+  EXPECT_EQ(active, best);
+  if (const char* expect = std::getenv("PAGEDSERVE_EXPECT_QUANT_ISA")) EXPECT_EQ(active, expect);
+  std::cout << "[ isa ] active quantized-linear variant: " << active << " (attention variant " << attention
+            << ", avx512_vnni=" << cpu_features().avx512_vnni << ", avx_vnni=" << cpu_features().avx_vnni << ")\n";
+}
+
+TEST(QuantIsa, AVariantThisCpuCannotRunIsRefusedNotExecuted) {
+  QuantIsaGuard guard;
+  EXPECT_THROW(set_active_quant_isa("no-such-isa"), InvalidArgumentError);
+  for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    if (!v.supported()) EXPECT_THROW(set_active_quant_isa(v.name), InvalidArgumentError) << v.name;
+  }
+}
+
+}  // namespace

@@ -1,0 +1,105 @@
+"""The GEMM-path chooser (--linear-impl, pagedserve/model/linear.py): it picks
+only paths that run and compute x @ W.T + b on this CPU, caches its choice per
+machine, honours a named path, and the engine logs what it chose."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+
+from pagedserve import LLM, hardware
+from pagedserve.model import linear
+from pagedserve.model.linear import CHOOSER_ROWS, OneDNNLinear, choose_linear_impl
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def small_model(bias: bool = False) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96, bias=bias), torch.nn.Linear(96, 64, bias=bias))
+
+
+def test_the_chosen_path_runs_here_and_computes_the_layer(cache):
+    model = small_model(bias=True)
+    choice = choose_linear_impl(model, torch.float32, "cpu")
+    assert choice.impl in linear.LINEAR_IMPLS and not choice.cached
+    assert set(choice.ms) | set(choice.refused) == set(linear.LINEAR_IMPLS)
+    assert all(set(times) == set(CHOOSER_ROWS) and min(times.values()) > 0 for times in choice.ms.values())
+    x = torch.randn(5, 64)
+    want = model(x)
+    linear.swap_linears(model, choice.impl)
+    torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_path_that_raises_is_never_chosen(cache, monkeypatch):
+    def crash(self, x):
+        raise RuntimeError("illegal instruction in a fake GEMM")
+
+    monkeypatch.setattr(OneDNNLinear, "forward", crash)
+    choice = choose_linear_impl(small_model(), torch.float32, "cpu")
+    assert choice.impl == "torch"
+    assert "illegal instruction" in choice.refused["onednn"]
+
+
+def test_a_path_that_computes_something_else_is_never_chosen_even_if_faster(cache, monkeypatch):
+    forward = OneDNNLinear.forward
+    monkeypatch.setattr(OneDNNLinear, "forward", lambda self, x: forward(self, x) * 1.01)
+    slow = torch.nn.functional.linear
+
+    def slower(*args, **kwargs):  # the correct path made slow: a wrong one must still lose
+        for _ in range(20):
+            slow(*args, **kwargs)
+        return slow(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", slower)
+    choice = choose_linear_impl(small_model(), torch.float32, "cpu")
+    assert choice.impl == "torch"
+    assert "differs from a float64 matmul" in choice.refused["onednn"]
+
+
+def test_the_choice_is_cached_per_machine_and_reused_without_measuring(cache, monkeypatch):
+    first = choose_linear_impl(small_model(), torch.float32, "cpu")
+    saved = json.loads((cache / "linear_impl.json").read_text())
+    assert [entry["impl"] for entry in saved.values()] == [first.impl]
+
+    def no_timing(*args, **kwargs):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(linear, "time_cases", no_timing)
+    again = choose_linear_impl(small_model(), torch.float32, "cpu")
+    assert again.cached and again.impl == first.impl
+    # other shapes are another entry: measured, not read (here every measurement fails, so nothing is chosen)
+    with pytest.raises(RuntimeError, match="no GEMM path works on this machine.*measured again"):
+        choose_linear_impl(torch.nn.Sequential(torch.nn.Linear(32, 32)), torch.float32, "cpu")
+
+
+def test_a_named_path_is_used_without_measuring_and_refused_where_it_cannot_run(cache, monkeypatch):
+    monkeypatch.setattr(linear, "time_cases", lambda *a, **k: pytest.fail("measured"))
+    assert choose_linear_impl(small_model(), torch.float32, "cpu", "torch").impl == "torch"
+    assert choose_linear_impl(small_model(), torch.float32, "cpu", "onednn").impl == "onednn"
+    fake = hardware.CpuCapabilities(arch="x86_64", features=("avx2",), native_bf16=False, onednn_bf16=False)
+    monkeypatch.setattr(hardware, "cpu_capabilities", lambda: fake)
+    monkeypatch.setattr(linear, "cpu_capabilities", lambda: fake)
+    with pytest.raises(ValueError, match="--linear-impl onednn cannot run here: oneDNN's bfloat16 linear needs"):
+        choose_linear_impl(small_model(), torch.bfloat16, "cpu", "onednn")
+    # auto with one path left takes it, and says why the other is out
+    choice = choose_linear_impl(small_model(), torch.bfloat16, "cpu")
+    assert choice.impl == "torch" and "avx512bw" in choice.reason
+    with pytest.raises(ValueError, match="linear_impl must be"):
+        choose_linear_impl(small_model(), torch.float32, "cpu", "blas")
+
+
+def test_the_engine_logs_its_choice(tiny_llama_dir, cache, caplog):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+        llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear layers: ")]
+    assert lines == [f"linear layers: {llm.engine.linear_path}"]
+    assert "measured: ms per pass over the linear layers at 1/8/32/128 rows" in lines[0]
+    assert any(r.getMessage().startswith("memory: weights ") for r in caplog.records)
