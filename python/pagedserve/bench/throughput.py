@@ -102,7 +102,8 @@ def print_accuracy(llm, model, outs, reference: list[list[int]], output_len: int
     prefix = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(got, reference)]
     positions = sum(a == b for g, r in zip(got, reference) for a, b in zip(g, r))
     ids = llm.engine.tokenizer(perplexity_text())["input_ids"] if llm.engine.tokenizer else None
-    print(f"\naccuracy of {llm.engine.linear_impl} against float32 (greedy, {len(got)} sequences of {output_len} "
+    what = f"{str(llm.engine.dtype).removeprefix('torch.')}, linear layers {llm.engine.linear_impl}"
+    print(f"\naccuracy of PagedServe ({what}) against float32 (greedy, {len(got)} sequences of {output_len} "
           f"tokens): identical sequences {same}/{len(got)}; tokens before the first difference: mean "
           f"{sum(prefix) / len(prefix):.1f} of {output_len}; same token at the same position: "
           f"{positions / sum(map(len, reference)):.1%}")
@@ -113,7 +114,7 @@ def print_accuracy(llm, model, outs, reference: list[list[int]], output_len: int
     logits = model(torch.tensor([ids])).logits[0, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits, torch.tensor(ids[1:]))
     print(f"perplexity of the fixed text ({len(ids)} tokens, pagedserve/bench/data/perplexity.txt): "
-          f"{llm.engine.linear_impl} {ours:.3f}, float32 {math.exp(float(nll)):.3f}")
+          f"PagedServe ({what}) {ours:.3f}, float32 Hugging Face {math.exp(float(nll)):.3f}")
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -129,6 +130,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="PagedServe's GEMM path (auto: measured at start-up; the table names the one chosen)")
     ap.add_argument("--model-impl", default="auto", choices=["auto", "pagedserve", "transformers"],
                     help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="PagedServe's weights, activations and KV cache (the Hugging Face baselines stay float32); "
+                         "with bfloat16 the outputs are no longer float32's and the accuracy figures are printed")
     ap.add_argument("--quantization", default="none", choices=["none", "q4", "int8"],
                     help="PagedServe on quantised weights (q4: the GGUF's own Q4_1 blocks); also prints accuracy "
                          "figures: greedy agreement with the float32 path and perplexity on a fixed text")
@@ -142,7 +146,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
     plots.require_writable(ap, args.plot)
 
-    llm = LLM(model=args.model, dtype="float32", attention_backend=args.attention_backend,
+    llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
               linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
@@ -178,7 +182,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     eng = llm.engine
     variant = type(eng.backend).active_variant()
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"greedy, float32 activations, {torch.get_num_threads()} threads; PagedServe: attention backend "
+          f"greedy, {torch.get_num_threads()} threads; HF float32; PagedServe {args.dtype}: attention backend "
           f"{eng.backend.name}{f' ({variant} kernels)' if variant else ''}; decoder forward {eng.model_impl}; "
           f"linear layers: {eng.linear_path}; weights {eng.weight_bytes / 2**20:.0f} MiB")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
@@ -186,11 +190,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for name, dt, tps in rows:
         print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
     print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")
-    if args.quantization != "none":
+    if args.quantization != "none" or args.dtype != "float32":
         print_accuracy(llm, model, outs, static, args.output_len)
     if args.plot:
         plot(rows, args.plot, title=f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} "
-             f"output) tokens, greedy, float32, {torch.get_num_threads()} threads")
+             f"output) tokens, greedy, {torch.get_num_threads()} threads; PagedServe {args.dtype}"
+             f"{'' if args.quantization == 'none' else ', ' + args.quantization}")
 
 
 if __name__ == "__main__":
