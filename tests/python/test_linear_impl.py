@@ -103,3 +103,29 @@ def test_the_engine_logs_its_choice(tiny_llama_dir, cache, caplog):
     assert lines == [f"linear layers: {llm.engine.linear_path}"]
     assert "measured: ms per pass over the linear layers at 1/8/32/128 rows" in lines[0]
     assert any(r.getMessage().startswith("memory: weights ") for r in caplog.records)
+
+
+def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(tiny_llama_dir, cache, capsys):
+    """bench/throughput.py names the GEMM path (or quantisation) in its table's
+    header, alternates the systems --repeat times, and with --quantization
+    prints the greedy agreement with float32."""
+    from pagedserve.bench import throughput
+
+    throughput.main(["--model", tiny_llama_dir, "--num-requests", "2", "--prompt-len", "4", "--output-len", "3",
+                     "--skip-sequential", "--repeat", "2", "--quantization", "int8"])
+    out = capsys.readouterr().out
+    assert out.count("run ") == 2 and "run 2/2: HF generate(), static batch" in out
+    assert "linear layers: int8: q8_0 blocks, int8 activations (no GGUF blocks" in out
+    assert "decoder forward pagedserve (lean Llama forward)" in out
+    assert "| PagedServe |" in out and "| HF generate(), static batch |" in out
+    assert "accuracy of PagedServe (float32, linear layers int8) against float32 (greedy, 2 sequences of 3" in out
+    with pytest.raises(SystemExit):
+        throughput.main(["--model", tiny_llama_dir, "--repeat", "0"])
+
+
+@pytest.mark.parametrize("content", ["null", "[]", "123", '"x"', "{not json", '{"k": "onednn"}', '{"k": {"impl": 3}}'])
+def test_a_malformed_cache_is_measured_again_not_an_error(cache, content):
+    (cache / "linear_impl.json").write_text(content)
+    choice = choose_linear_impl(small_model(), torch.float32, "cpu")
+    assert not choice.cached and choice.impl in linear.LINEAR_IMPLS
+    assert choose_linear_impl(small_model(), torch.float32, "cpu").cached  # and the file is whole again

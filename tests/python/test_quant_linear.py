@@ -138,7 +138,9 @@ def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
     with pytest.raises(KernelArgumentError):
         w.linear(x.numpy(), out, None, 1)
     with pytest.raises(KernelArgumentError):
-        w.dequantize(torch.empty(n, k, dtype=torch.bfloat16))
+        w.dequantize(torch.empty(n, k, dtype=torch.float16))
+    with pytest.raises(KernelArgumentError):
+        w.dequantize(torch.empty(n, k), 0)
     with pytest.raises(KernelArgumentError):
         w.dequantize(torch.empty(n, k + 32))
     assert issubclass(KernelArgumentError, ValueError)

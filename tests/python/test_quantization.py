@@ -119,3 +119,30 @@ def test_quantize_rows_round_trips_within_the_formats_step():
 def test_quantization_is_refused_off_the_cpu_and_for_unknown_names(tiny_llama_dir):
     with pytest.raises(ValueError, match="quantization must be one of"):
         LLM(model=tiny_llama_dir, quantization="q3", skip_tokenizer_init=True, num_kv_blocks=16)
+
+
+def test_bfloat16_dequantisation_and_the_large_call_path(gguf):
+    """The bfloat16 de-quantisation is the exact values rounded to nearest even,
+    on any number of threads; a call of DENSE_MIN_ROWS rows or more with
+    dense_prefill multiplies those weights by torch's bfloat16 GEMM and lands as
+    close to the float64 product as the int8 path does."""
+    from pagedserve.model.quantization import DENSE_MIN_ROWS
+
+    data, qtype = gguf.tensors["blk.3.ffn_up.weight"]
+    blocks = torch.from_numpy(data.copy())
+    layer = QuantLinear(blocks, qtype, 576, torch.randn(blocks.shape[0]), dense_prefill=True)
+    exact = layer.dequantize()
+    one = torch.empty_like(exact, dtype=torch.bfloat16)
+    layer.weight.dequantize(one, 1)
+    two = torch.empty_like(one)
+    layer.weight.dequantize(two, 2)
+    assert torch.equal(one, exact.to(torch.bfloat16)) and torch.equal(two, one)
+    x = torch.randn(DENSE_MIN_ROWS + 3, 576)
+    want = x.double() @ exact.double().T + layer.bias.double()
+    dense = layer(x)
+    layer.dense_prefill = False
+    integer = layer(x)
+    scale = float(want.abs().max())
+    assert float((dense.double() - want).abs().max()) <= 2e-2 * scale
+    assert float((integer.double() - want).abs().max()) <= 2e-2 * scale
+    assert float((dense.double() - want).abs().max()) > 0  # bfloat16 rounding, not a silent float32 path

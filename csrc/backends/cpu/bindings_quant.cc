@@ -37,14 +37,15 @@ void bind_quant(py::module_& m) {
            "32. The bytes are copied. Raises KernelArgumentError.")
       .def(
           "dequantize",
-          [](const QuantizedWeight& w, py::handle out) {
+          [](const QuantizedWeight& w, py::handle out, int num_threads) {
             auto o = tensor_arg(out, "out");
             py::gil_scoped_release release;
-            w.dequantize(o);
+            w.dequantize(o, num_threads);
           },
-          py::arg("out"),
-          "out float32 [out_features, in_features] = the dequantised weights, bit-identical to "
-          "gguf.quants.dequantize (d * q + m, rounded twice). Raises KernelArgumentError.")
+          py::arg("out"), py::arg("num_threads") = 1,
+          "out [out_features, in_features] = the dequantised weights: float32 bit-identical to "
+          "gguf.quants.dequantize (d * q + m, rounded twice), or bfloat16 (those rounded to nearest even); rows "
+          "split over num_threads threads. Raises KernelArgumentError.")
       .def(
           "linear",
           [](const QuantizedWeight& w, py::handle x, py::handle out, py::object bias, int num_threads) {

@@ -208,38 +208,69 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
 
 QuantizedWeight::~QuantizedWeight() = default;
 
-void QuantizedWeight::dequantize(const TensorArg& out) const {
-  out.check_dtype(DType::kFloat32);
+void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
+  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
+    throw KernelArgumentError(out.name + " must be float32 or bfloat16, got " + dtype_name(out.dtype));
+  }
   out.check_dim(2);
   out.check_shape({n_, k_});
   out.check_contiguous();
-  float* o = out.ptr<float>();
+  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
+  const bool bf16 = out.dtype == DType::kBFloat16;
   const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
-  for (int64_t row = 0; row < n_; ++row) {
-    const int64_t g = row / kQRows, j = row % kQRows;
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-      float* dst = o + row * k_ + b * kQBlock;
-      const float d = half_to_float(load_u16(t + 2 * j));
-      if (qtype_ == QType::kQ4_1) {
-        const float m = half_to_float(load_u16(t + 32 + 2 * j));
-        for (int p = 0; p < 4; ++p) {
-          for (int e = 0; e < 4; ++e) {
-            const uint8_t q = t[64 + 64 * p + 4 * j + e];
-            const float lo = d * static_cast<float>(q & 0x0F), hi = d * static_cast<float>(q >> 4);
-            dst[4 * p + e] = lo + m;  // two roundings (no FMA: -ffp-contract=off)
-            dst[16 + 4 * p + e] = hi + m;
+  // rows [r0, r1) of the output; float32 first (exact), then rounded to bfloat16 when asked
+  const auto rows = [&](int64_t r0, int64_t r1) {
+    float buf[kQBlock];
+    for (int64_t row = r0; row < r1; ++row) {
+      const int64_t g = row / kQRows, j = row % kQRows;
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+        float* dst = bf16 ? buf : out.ptr<float>() + row * k_ + b * kQBlock;
+        const float d = half_to_float(load_u16(t + 2 * j));
+        if (qtype_ == QType::kQ4_1) {
+          const float m = half_to_float(load_u16(t + 32 + 2 * j));
+          for (int p = 0; p < 4; ++p) {
+            for (int e = 0; e < 4; ++e) {
+              const uint8_t q = t[64 + 64 * p + 4 * j + e];
+              const float lo = d * static_cast<float>(q & 0x0F), hi = d * static_cast<float>(q >> 4);
+              dst[4 * p + e] = lo + m;  // two roundings (no FMA: -ffp-contract=off)
+              dst[16 + 4 * p + e] = hi + m;
+            }
+          }
+        } else {
+          for (int c = 0; c < 8; ++c) {
+            for (int e = 0; e < 4; ++e) {
+              dst[4 * c + e] = d * static_cast<float>(static_cast<int8_t>(t[32 + 64 * c + 4 * j + e]));
+            }
           }
         }
-      } else {
-        for (int c = 0; c < 8; ++c) {
-          for (int e = 0; e < 4; ++e) {
-            dst[4 * c + e] = d * static_cast<float>(static_cast<int8_t>(t[32 + 64 * c + 4 * j + e]));
+        if (bf16) {
+          uint16_t* o = out.ptr<uint16_t>() + row * k_ + b * kQBlock;
+          for (int e = 0; e < kQBlock; ++e) {  // round to nearest even (the values are finite)
+            uint32_t u;
+            std::memcpy(&u, &buf[e], sizeof(u));
+            o[e] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
           }
         }
       }
     }
+  };
+  const int64_t kRowsPerTask = 256;
+  const int64_t tasks = (n_ + kRowsPerTask - 1) / kRowsPerTask;
+  if (num_threads == 1 || tasks == 1) {
+    rows(0, n_);
+    return;
   }
+  std::shared_ptr<ThreadPool> pool;
+  try {
+    pool = ThreadPool::get(num_threads);
+  } catch (const std::system_error& e) {
+    throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
+  }
+  pool->run(tasks, [&](int64_t i, int) { rows(i * kRowsPerTask, std::min(n_, (i + 1) * kRowsPerTask)); });
 }
 
 void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias,

@@ -73,11 +73,12 @@ class QuantizedWeight {
   // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
   int64_t nbytes() const { return nbytes_; }
 
-  // out float32 [N, K] = the dequantised weights, bit-identical to gguf-py's
-  // numpy dequantisation: Q4_1 d * q + m, Q8_0 d * q, float32, the multiply
-  // and the add rounded separately (this file is built with -ffp-contract=off).
-  // Throws KernelArgumentError.
-  void dequantize(const TensorArg& out) const;
+  // out [N, K] = the dequantised weights. float32: bit-identical to gguf-py's
+  // numpy dequantisation (Q4_1 d * q + m, Q8_0 d * q, the multiply and the add
+  // rounded separately: this file is built with -ffp-contract=off); bfloat16:
+  // those values rounded to nearest even. Rows are split over num_threads
+  // (1 .. 1024) threads of the shared pool. Throws KernelArgumentError.
+  void dequantize(const TensorArg& out, int num_threads = 1) const;
 
   // out [M, N] = x [M, K] . W^T (+ bias [N]), x and out float32 or bfloat16
   // (the same dtype), contiguous; bias float32 [N] contiguous or nullptr.

@@ -172,10 +172,15 @@ def cache_path() -> Path:
 
 
 def _read_cache() -> dict:
+    """The cache's entries ({key: {"impl": name, ...}}); a missing, unreadable or
+    malformed file, or a malformed entry, counts as absent (measured again)."""
     try:
-        return json.loads(cache_path().read_text())
+        data = json.loads(cache_path().read_text())
     except (OSError, ValueError):
         return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("impl"), str)}
 
 
 def _write_cache(key: str, entry: dict) -> None:

@@ -15,7 +15,7 @@ import torch
 from .. import _core
 from .lean_llama import LeanLlamaDecoder, fuse_plain, why_not_lean
 from .linear import choose_linear_impl, describe, make_linear, swap_linears
-from .quantization import GGUFBlocks, QuantLinear, Quantizer, quantize_model
+from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +108,10 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if quantization != "none" else 0)
     if quantization != "none":
         source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
+        large = (f"; calls of {DENSE_MIN_ROWS}+ rows: de-quantised to bfloat16, torch's bfloat16 GEMM"
+                 if quantizer.dense_prefill else "")
         path = (f"{quantization}: {quantizer.qtype} blocks, int8 activations ({source}, {quantizer.requantized} "
-                f"quantised here; kernel {_kernel_isa()})")
+                f"quantised here; kernel {_kernel_isa()}{large})")
     else:
         path = describe(choice)
     return PreparedModel(lean, why, impl, path, weight_bytes(model))
