@@ -9,6 +9,7 @@ torch baselines use the dequantised weights. Each cell is the median over
 --rounds rounds of the mean time per call within a round (each round runs every
 implementation for about --ms milliseconds, in turn, so they see the same machine
 state). Prints ms per call and the ratios torch / ours (> 1: ours is faster).
+A checkout-only script (not under ``pagedserve bench``).
 """
 from __future__ import annotations
 
@@ -38,9 +39,10 @@ def per_call_ms(fn, budget_ms: float) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                    help="threads for every implementation (default: torch's, %(default)s here)")
     ap.add_argument("--ms", type=float, default=150.0, help="time budget per implementation per round")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=5, help="rounds; each cell is their median (default %(default)s)")
     ap.add_argument("--m", default="1,8,32,128", help="batch rows (tokens) per call")
     args = ap.parse_args()
 

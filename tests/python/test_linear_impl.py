@@ -116,7 +116,7 @@ def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(ti
     out = capsys.readouterr().out
     assert out.count("run ") == 2 and "run 2/2: HF generate(), static batch" in out
     assert "linear layers: int8: q8_0 blocks, int8 activations (no GGUF blocks" in out
-    assert "decoder forward pagedserve (lean Llama forward)" in out
+    assert "decoder forward pagedserve (lean Llama forward; auto: a Llama-architecture model)" in out
     assert "| PagedServe |" in out and "| HF generate(), static batch |" in out
     assert "accuracy of PagedServe (float32, linear layers int8) against float32 (greedy, 2 sequences of 3" in out
     with pytest.raises(SystemExit):

@@ -1,23 +1,28 @@
 """Throughput: sequential HF generate() vs HF static batching vs PagedServe, in one process.
 
 N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
-EOS ignored, float32 (the Hugging Face baselines run in float32 too). Each system first runs a
-short untimed warm-up. Prints tokens/s of each and the ratios, and how many
-PagedServe outputs equal static batching's (float32 rounding differs between a
-padded batch and a packed one, so a near-tie can flip a token).
+EOS ignored; the Hugging Face baselines run in float32, PagedServe in --dtype
+(float32 by default, so its greedy tokens can be compared with static
+batching's: float32 rounding differs between a padded batch and a packed one,
+so a near-tie can flip a token). Each system first runs a short untimed
+warm-up; --repeat R alternates static batching and PagedServe R times and
+keeps each one's fastest run. Prints tokens/s of each and the ratios, and how
+many PagedServe outputs equal static batching's.
 
-    pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--plot PATH]
+    pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--skip-sequential]
+                                [--repeat R] [--dtype float32|bfloat16] [--quantization none|q4|int8]
                                 [--linear-impl auto|torch|onednn] [--model-impl auto|pagedserve|transformers]
-                                [--quantization none|q4|int8]
+                                [--plot PATH] [--constrained K]
 
 (from a checkout, ``python bench/throughput.py`` takes the same flags)
 
 The table's header names PagedServe's decoder forward and the GEMM path its
 start-up chooser took (or the quantisation), and the weights' memory. With
---quantization the outputs are no longer float32's: the script then prints the
-greedy agreement with static batching's float32 sequences and the perplexity
-of a fixed English text (pagedserve/bench/data/perplexity.txt, written for
-this benchmark) under PagedServe and under the float32 Hugging Face model.
+--quantization or --dtype bfloat16 the outputs are no longer float32's: the
+script then prints the greedy agreement with static batching's float32
+sequences and the perplexity of a fixed English text
+(pagedserve/bench/data/perplexity.txt, written for this benchmark) under
+PagedServe and under the float32 Hugging Face model.
 
 --plot PATH also writes the table as a PNG figure (needs matplotlib, the
 ``bench`` extra): output tokens/s and wall time per system. --constrained K

@@ -96,7 +96,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         model.lm_head = fuse([model.lm_head], ["lm_head"])
         model.model.layers = torch.nn.ModuleList()  # the lean layers hold what they need; the rest is freed
         model.pagedserve_decoder = lean
-        why = "pagedserve (lean Llama forward)"
+        why = "pagedserve (lean Llama forward; " + (
+            "asked for)" if model_impl == "pagedserve" else "auto: a Llama-architecture model)")
     else:
         if quantization != "none":
             quantize_model(model, quantizer)
