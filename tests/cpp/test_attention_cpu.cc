@@ -12,23 +12,14 @@
 #include "backends/cpu/cpu_features.h"
 #include "backends/cpu/cpu_isa.h"
 #include "core/errors.h"
+#include "contiguous_arg.h"
 
 using namespace pagedserve;
 using namespace pagedserve::cpu;
 
 namespace {
 
-template <typename T>
-TensorArg arg(std::vector<T>& v, std::vector<int64_t> shape, DType dtype, const char* name) {
-  TensorArg a;
-  a.data = v.data();
-  a.dtype = dtype;
-  a.shape = shape;
-  a.strides.assign(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) a.strides[i - 1] = a.strides[i] * shape[i];
-  a.name = name;
-  return a;
-}
+using pagedserve::test_support::arg;
 
 // One sequence, one head, D = 2, block_size 2, 3 tokens in blocks {1, 0}
 // (square blocks: k_cache [2, 1, D, bs] and v_cache [2, 1, bs, D] look alike).

@@ -10,6 +10,7 @@
 
 #include "backends/metal/metal_plan.h"
 #include "core/errors.h"
+#include "contiguous_arg.h"
 
 namespace {
 
@@ -17,17 +18,7 @@ namespace pmetal = pagedserve::metal;
 using pagedserve::DType;
 using pagedserve::TensorArg;
 
-template <typename T>
-TensorArg arg(const std::vector<T>& v, std::vector<int64_t> shape, DType dtype, const char* name) {
-  TensorArg a;
-  a.data = const_cast<T*>(v.data());
-  a.dtype = dtype;
-  a.shape = shape;
-  a.strides.assign(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) a.strides[i - 1] = a.strides[i] * shape[i];
-  a.name = name;
-  return a;
-}
+using pagedserve::test_support::arg;
 
 pmetal::MetalPlanOptions split(pmetal::SplitKv mode, int partition_size = 128) {
   pmetal::MetalPlanOptions o;

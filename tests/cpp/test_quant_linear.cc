@@ -19,23 +19,14 @@
 #include "backends/cpu/cpu_isa.h"
 #include "backends/cpu/quant_linear.h"
 #include "core/errors.h"
+#include "contiguous_arg.h"
 
 using namespace pagedserve;
 using namespace pagedserve::cpu;
 
 namespace {
 
-template <typename T>
-TensorArg arg(std::vector<T>& v, std::vector<int64_t> shape, DType dtype, const char* name) {
-  TensorArg a;
-  a.data = v.data();
-  a.dtype = dtype;
-  a.shape = shape;
-  a.strides.assign(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) a.strides[i - 1] = a.strides[i] * shape[i];
-  a.name = name;
-  return a;
-}
+using pagedserve::test_support::arg;
 
 float half_to_float(uint16_t h) {
   const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;

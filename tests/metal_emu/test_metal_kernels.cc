@@ -21,6 +21,7 @@
 #include "backends/metal/metal_plan.h"
 #include "core/errors.h"
 #include "kernel_launchers.h"
+#include "../cpp/contiguous_arg.h"
 
 namespace {
 
@@ -29,17 +30,7 @@ namespace pmetal = pagedserve::metal;
 using pagedserve::DType;
 using pagedserve::TensorArg;
 
-template <typename T>
-TensorArg arg(const std::vector<T>& v, std::vector<int64_t> shape, DType dtype, const char* name) {
-  TensorArg a;
-  a.data = const_cast<T*>(v.data());
-  a.dtype = dtype;
-  a.shape = shape;
-  a.strides.assign(shape.size(), 1);
-  for (size_t i = shape.size(); i-- > 1;) a.strides[i - 1] = a.strides[i] * shape[i];
-  a.name = name;
-  return a;
-}
+using pagedserve::test_support::arg;
 
 const char* dtype_name(mk::Dtype d) {
   return d == mk::Dtype::kFloat32 ? "float32" : d == mk::Dtype::kFloat16 ? "float16" : "bfloat16";

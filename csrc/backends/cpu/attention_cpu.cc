@@ -5,7 +5,6 @@
 #include <cstring>
 #include <functional>
 #include <string>
-#include <system_error>
 
 #include "core/errors.h"
 #include "thread_pool.h"
@@ -158,11 +157,7 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   int64_t work = 0;
   for (const WorkItem& it : items_) work += int64_t{it.j1 - it.j0} * g_.block_size * (it.q1 - it.q0) * g_.group();
   run_inline_ = work < kInlineWork;
-  try {
-    pool_ = ThreadPool::get(num_threads);
-  } catch (const std::system_error& e) {
-    throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
-  }
+  pool_ = ThreadPool::get(num_threads);
   scratch_.assign(pool_->num_threads(),
                   std::vector<float>(kernel_scratch_floats(g_.group(), g_.head_dim, g_.block_size)));
 }

@@ -20,44 +20,26 @@
 #include <cstdint>
 
 #include "fused_kernel_isa.h"
+#include "scalar_convert.h"
 
 #ifndef PAGEDSERVE_ISA
 #error "PAGEDSERVE_ISA must name the variant this file is compiled for"
 #endif
-#define PS_CAT2(a, b) a##b
-#define PS_CAT(a, b) PS_CAT2(a, b)
-#define PS_STR2(a) #a
-#define PS_STR(a) PS_STR2(a)
 
 namespace pagedserve {
 namespace cpu {
 namespace {
 
-using bf16 = uint16_t;
 
 inline float ld(float x) { return x; }
-inline float ld(bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// Round to nearest even, NaN to the canonical quiet NaN (c10::BFloat16's
-// rounding); branch-free so the loops that store bfloat16 vectorise.
-inline bf16 to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  const uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-  return static_cast<bf16>(f != f ? 0x7FC0u : rounded);
-}
+inline float ld(bf16 x) { return bf16_to_float(x); }
 
 inline void st(float v, float* p) { *p = v; }
-inline void st(float v, bf16* p) { *p = to_bf16(v); }
+inline void st(float v, bf16* p) { *p = float_to_bf16(v); }
 
 // The value a float32 intermediate has once torch stores it in dtype T.
 inline float rnd(float v, const float*) { return v; }
-inline float rnd(float v, const bf16*) { return ld(to_bf16(v)); }
+inline float rnd(float v, const bf16*) { return ld(float_to_bf16(v)); }
 
 // exp(x) for x in [-88, 88] (callers clamp; NaN must not reach it): range
 // reduction to r in [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes expf,

@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <string>
-#include <system_error>
 
 #include "attention_cpu.h"  // kMaxThreads
 #include "core/errors.h"
@@ -131,13 +130,8 @@ void for_rows(int64_t rows, int64_t elems_per_row, int num_threads, const F& fn)
   tasks = std::min<int64_t>(tasks, 4 * static_cast<int64_t>(num_threads));  // dynamic scheduling evens them out
   const int64_t chunk = (rows + tasks - 1) / tasks;
   tasks = (rows + chunk - 1) / chunk;
-  std::shared_ptr<ThreadPool> pool;
-  try {
-    pool = ThreadPool::get(num_threads);
-  } catch (const std::system_error& e) {
-    throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
-  }
-  pool->run(tasks, [&](int64_t task, int) { fn(task * chunk, std::min(rows, (task + 1) * chunk)); });
+  ThreadPool::get(num_threads)->run(tasks,
+                                    [&](int64_t task, int) { fn(task * chunk, std::min(rows, (task + 1) * chunk)); });
 }
 
 // A query/key tensor of rotary_embedding: its head layout.

@@ -17,39 +17,20 @@
 #include <cstdint>
 
 #include "kernel_isa.h"
+#include "scalar_convert.h"
 
 #ifndef PAGEDSERVE_ISA
 #error "PAGEDSERVE_ISA must name the variant this file is compiled for"
 #endif
-#define PS_CAT2(a, b) a##b
-#define PS_CAT(a, b) PS_CAT2(a, b)
-#define PS_STR2(a) #a
-#define PS_STR(a) PS_STR2(a)
 
 namespace pagedserve {
 namespace cpu {
 namespace {
 
-using bf16 = uint16_t;
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 inline int64_t imax(int64_t a, int64_t b) { return a > b ? a : b; }
 inline float fmax2(float a, float b) { return a > b ? a : b; }
-
-inline float bf16_to_float(bf16 x) {
-  uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline bf16 float_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if (__builtin_isnan(f)) return 0x7FC0;
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<bf16>(bits >> 16);
-}
 
 inline void load(const float* src, float* dst, int64_t n) { memcpy(dst, src, n * sizeof(float)); }
 inline void load(const bf16* src, float* dst, int64_t n) {

@@ -30,6 +30,7 @@
 #include <cstdint>
 
 #include "quant_isa.h"
+#include "scalar_convert.h"
 
 #if PAGEDSERVE_QISA_LEVEL >= 1
 #include <immintrin.h>
@@ -43,46 +44,13 @@
 #ifndef PAGEDSERVE_QISA
 #error "PAGEDSERVE_QISA must name the variant this file is compiled for"
 #endif
-#define PS_CAT2(a, b) a##b
-#define PS_CAT(a, b) PS_CAT2(a, b)
-#define PS_STR2(a) #a
-#define PS_STR(a) PS_STR2(a)
 
 namespace pagedserve {
 namespace cpu {
 namespace {
 
-using bf16 = uint16_t;
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
-
-inline float bits_to_float(uint32_t bits) {
-  float f;
-  memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-inline float bf16_to_float(bf16 x) { return bits_to_float(static_cast<uint32_t>(x) << 16); }
-
-inline bf16 float_to_bf16(float f) {
-  uint32_t bits;
-  memcpy(&bits, &f, sizeof bits);
-  if (__builtin_isnan(f)) return 0x7FC0;
-  bits += 0x7FFF + ((bits >> 16) & 1);  // round to nearest even
-  return static_cast<bf16>(bits >> 16);
-}
-
-// IEEE half -> float, exact (subnormals, infinities and NaNs included).
-inline float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  if (exp == 0) {
-    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
-    return sign ? -f : f;
-  }
-  if (exp == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
-  return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
-}
 
 inline int32_t load_i32(const void* p) {
   int32_t v;

@@ -11,11 +11,11 @@
 #include <mutex>
 #include <new>
 #include <string>
-#include <system_error>
 
 #include "core/errors.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
+#include "scalar_convert.h"
 #include "thread_pool.h"
 
 namespace pagedserve {
@@ -30,24 +30,6 @@ constexpr int kMaxLinearThreads = 1024;
 constexpr int64_t kInlineTilePasses = 512;
 constexpr int64_t kMaxDim = int64_t{1} << 31;
 constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is large
-
-float half_to_float(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-  uint32_t bits;
-  if (exp == 0) {
-    const float f = static_cast<float>(man) * 5.9604644775390625e-08f;  // man * 2^-24, exact
-    return sign ? -f : f;
-  }
-  if (exp == 31) {
-    bits = sign | 0x7F800000u | (man << 13);
-  } else {
-    bits = sign | ((exp + 112u) << 23) | (man << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 
 uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -219,7 +201,7 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
     throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
                               std::to_string(num_threads));
   }
-  const bool bf16 = out.dtype == DType::kBFloat16;
+  const bool to_bf16 = out.dtype == DType::kBFloat16;
   const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
   // rows [r0, r1) of the output; float32 first (exact), then rounded to bfloat16 when asked
   const auto rows = [&](int64_t r0, int64_t r1) {
@@ -228,7 +210,7 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
       const int64_t g = row / kQRows, j = row % kQRows;
       for (int64_t b = 0; b < nb; ++b) {
         const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-        float* dst = bf16 ? buf : out.ptr<float>() + row * k_ + b * kQBlock;
+        float* dst = to_bf16 ? buf : out.ptr<float>() + row * k_ + b * kQBlock;
         const float d = half_to_float(load_u16(t + 2 * j));
         if (qtype_ == QType::kQ4_1) {
           const float m = half_to_float(load_u16(t + 32 + 2 * j));
@@ -247,13 +229,9 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
             }
           }
         }
-        if (bf16) {
-          uint16_t* o = out.ptr<uint16_t>() + row * k_ + b * kQBlock;
-          for (int e = 0; e < kQBlock; ++e) {  // round to nearest even (the values are finite)
-            uint32_t u;
-            std::memcpy(&u, &buf[e], sizeof(u));
-            o[e] = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-          }
+        if (to_bf16) {
+          bf16* o = out.ptr<bf16>() + row * k_ + b * kQBlock;
+          for (int e = 0; e < kQBlock; ++e) o[e] = float_to_bf16(buf[e]);
         }
       }
     }
@@ -264,13 +242,7 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
     rows(0, n_);
     return;
   }
-  std::shared_ptr<ThreadPool> pool;
-  try {
-    pool = ThreadPool::get(num_threads);
-  } catch (const std::system_error& e) {
-    throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
-  }
-  pool->run(tasks, [&](int64_t i, int) { rows(i * kRowsPerTask, std::min(n_, (i + 1) * kRowsPerTask)); });
+  ThreadPool::get(num_threads)->run(tasks, [&](int64_t i, int) { rows(i * kRowsPerTask, std::min(n_, (i + 1) * kRowsPerTask)); });
 }
 
 void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
@@ -317,13 +289,7 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
 
   const int64_t passes = groups * nb * ((m + 3) / 4);
   std::shared_ptr<ThreadPool> pool;
-  if (num_threads > 1 && passes >= kInlineTilePasses) {
-    try {
-      pool = ThreadPool::get(num_threads);
-    } catch (const std::system_error& e) {
-      throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
-    }
-  }
+  if (num_threads > 1 && passes >= kInlineTilePasses) pool = ThreadPool::get(num_threads);
 
   // 1. quantise the activations (rows in parallel when there are many)
   constexpr int64_t kQuantRowsPerItem = 16;

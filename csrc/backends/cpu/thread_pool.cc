@@ -1,6 +1,10 @@
 #include "thread_pool.h"
 
 #include <chrono>
+#include <string>
+#include <system_error>
+
+#include "core/errors.h"
 
 #if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
 #include <immintrin.h>
@@ -122,7 +126,13 @@ std::shared_ptr<ThreadPool> ThreadPool::get(int num_threads) {
   static std::shared_ptr<ThreadPool> pool;
   std::lock_guard<std::mutex> lock(mu);
   if (num_threads < 1) num_threads = 1;
-  if (!pool || pool->num_threads() != num_threads) pool = std::make_shared<ThreadPool>(num_threads);
+  if (!pool || pool->num_threads() != num_threads) {
+    try {
+      pool = std::make_shared<ThreadPool>(num_threads);
+    } catch (const std::system_error& e) {
+      throw KernelArgumentError("cannot start " + std::to_string(num_threads) + " worker threads: " + e.what());
+    }
+  }
   return pool;
 }
 

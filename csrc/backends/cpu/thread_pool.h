@@ -42,7 +42,9 @@ class ThreadPool {
   void run(int64_t num_items, const std::function<void(int64_t, int)>& fn);
 
   // A process-wide pool of num_threads (>= 1) threads; asking for another size
-  // replaces it, while callers still holding the old one finish on it.
+  // replaces it, while callers still holding the old one finish on it. Throws
+  // KernelArgumentError ("cannot start N worker threads: ...") if the OS refuses
+  // a thread, so every kernel reports it the same way.
   static std::shared_ptr<ThreadPool> get(int num_threads);
 
   // How long idle workers and waiting callers poll before sleeping (process-wide;
