@@ -129,3 +129,21 @@ def test_a_position_past_the_rotary_table_is_an_error_not_a_crash(tmp_path):
         from pagedserve import _core
 
         _core.cpu.rotary_embedding(torch.tensor([32]), q, k, lean.head_dim, lean.cos_sin_cache, True, 1)
+
+
+def test_the_chooser_measures_the_fused_shapes_the_lean_forward_runs(tmp_path, monkeypatch):
+    """With the lean forward the GEMM-path chooser times qkv_proj and
+    gate_up_proj as one layer each (the shapes the engine runs), not the
+    Hugging Face model's separate q/k/v and gate/up layers."""
+    from pagedserve.model import linear
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    seen = []
+    cases = linear.path_cases
+    monkeypatch.setattr(linear, "path_cases", lambda impl, shapes, *a, **k: seen.append(shapes) or cases(
+        impl, shapes, *a, **k))
+    LLM(model=make_llama(tmp_path / "m", attention_bias=True), dtype="float32", skip_tokenizer_init=True,
+        num_kv_blocks=16)
+    # hidden 64, 4 heads and 2 KV heads of 16, intermediate 96, 3 layers, vocab 512
+    want = [[64, 64, True, 3], [64, 128, True, 3], [64, 192, False, 3], [64, 512, False, 1], [96, 64, False, 3]]
+    assert seen and all(sorted(s) == want for s in seen)

@@ -55,6 +55,27 @@ def why_not_lean(config, device: torch.device) -> str | None:
     return None
 
 
+def fused_groups(layer) -> dict[str, list[torch.nn.Linear]]:
+    """The lean layer's linear layers (qkv_proj, o_proj, gate_up_proj, down_proj),
+    each as the Hugging Face layer's nn.Linear modules it concatenates."""
+    a, m = layer.self_attn, layer.mlp
+    return {"qkv_proj": [a.q_proj, a.k_proj, a.v_proj], "o_proj": [a.o_proj],
+            "gate_up_proj": [m.gate_proj, m.up_proj], "down_proj": [m.down_proj]}
+
+
+def lean_linear_shapes(hf_model) -> list[tuple[int, int, bool, int]]:
+    """The distinct linear shapes the lean forward runs — fused layers and the
+    lm_head — as pagedserve.model.linear.linear_shapes gives them for a model:
+    [(in_features, out_features, has_bias, count)], sorted."""
+    counts: dict[tuple[int, int, bool], int] = {}
+    groups = [g for layer in hf_model.model.layers for g in fused_groups(layer).values()] + [[hf_model.lm_head]]
+    for group in groups:
+        key = (group[0].in_features, sum(lin.out_features for lin in group),
+               any(lin.bias is not None for lin in group))
+        counts[key] = counts.get(key, 0) + 1
+    return sorted((i, o, b, c) for (i, o, b), c in counts.items())
+
+
 class LeanLlamaLayer(torch.nn.Module):
     """One decoder layer's weights in the lean path's form.
 
@@ -68,12 +89,9 @@ class LeanLlamaLayer(torch.nn.Module):
 
     def __init__(self, layer, fuse: FuseLinear, prefix: str) -> None:
         super().__init__()
-        a, m = layer.self_attn, layer.mlp
-        self.qkv_proj = fuse([a.q_proj, a.k_proj, a.v_proj],
-                             [f"{prefix}.self_attn.{n}_proj" for n in "qkv"])
-        self.o_proj = fuse([a.o_proj], [f"{prefix}.self_attn.o_proj"])
-        self.gate_up_proj = fuse([m.gate_proj, m.up_proj], [f"{prefix}.mlp.gate_proj", f"{prefix}.mlp.up_proj"])
-        self.down_proj = fuse([m.down_proj], [f"{prefix}.mlp.down_proj"])
+        names = {id(mod): name for name, mod in layer.named_modules()}
+        for attr, linears in fused_groups(layer).items():
+            setattr(self, attr, fuse(linears, [f"{prefix}.{names[id(lin)]}" for lin in linears]))
         self.input_layernorm = layer.input_layernorm.weight.detach()
         self.post_attention_layernorm = layer.post_attention_layernorm.weight.detach()
         self.eps = float(layer.input_layernorm.variance_epsilon)

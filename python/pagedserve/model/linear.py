@@ -247,7 +247,8 @@ def time_cases(cases, rows=CHOOSER_ROWS, seconds_per_case: float = 0.01) -> dict
 
 
 def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
-                       requested: str = "auto", use_cache: bool = True, rounds: int = 3) -> LinearChoice:
+                       requested: str = "auto", use_cache: bool = True, rounds: int = 3,
+                       shapes: list[tuple[int, int, bool, int]] | None = None) -> LinearChoice:
     """Decides the GEMM path of ``model``'s linear layers (does not apply it).
 
     ``requested`` is "auto" or one of LINEAR_IMPLS. A named path that cannot
@@ -257,7 +258,9 @@ def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch
     of ``rounds`` rounds that alternate the paths — and
     keeps the one with the smallest mean slowdown against the best path at each
     row count; a path that raises or computes something else is refused and
-    never chosen. The result is cached per machine (cache_path()).
+    never chosen. The result is cached per machine (cache_path()). ``shapes``:
+    the (in_features, out_features, has_bias, count) the engine will run
+    (linear_shapes' form; default: the model's own nn.Linear layers).
     """
     device = torch.device(device)
     if requested != "auto":
@@ -278,7 +281,7 @@ def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch
     if device.type != "cpu" or len(candidates) == 1:
         return LinearChoice(candidates[0], "the only path available here" + (
             f" ({'; '.join(f'{k}: {v}' for k, v in refused.items())})" if refused else ""), refused=refused)
-    shapes = [list(s) for s in linear_shapes(model)]
+    shapes = [list(s) for s in (linear_shapes(model) if shapes is None else shapes)]
     key = _machine_key(dtype, shapes)
     if use_cache:
         entry = _read_cache().get(key)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import _core
-from .lean_llama import LeanLlamaDecoder, fuse_plain, why_not_lean
+from .lean_llama import LeanLlamaDecoder, fuse_plain, lean_linear_shapes, why_not_lean
 from .linear import choose_linear_impl, describe, make_linear, swap_linears
 from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
 
@@ -87,7 +87,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         quantizer = Quantizer(quantization, config, GGUFBlocks.read(gguf_path) if gguf_path else None)
         fuse, impl = quantizer.linear, quantization
     else:
-        choice = choose_linear_impl(model, dtype, device, linear_impl)
+        # measured on the shapes the engine will run: the lean forward's fused layers where it applies
+        choice = choose_linear_impl(model, dtype, device, linear_impl,
+                                    shapes=lean_linear_shapes(model) if why_lean is None else None)
         impl = choice.impl
         fuse = fuse_plain(lambda lin: make_linear(lin, impl))
     lean = None
