@@ -105,12 +105,23 @@ def test_the_engine_logs_its_choice(tiny_llama_dir, cache, caplog):
     assert any(r.getMessage().startswith("memory: weights ") for r in caplog.records)
 
 
-def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(tiny_llama_dir, cache, capsys):
+def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(tiny_llama_dir, cache, capsys,
+                                                                           monkeypatch):
     """bench/throughput.py names the GEMM path (or quantisation) in its table's
-    header, alternates the systems --repeat times, and with --quantization
-    prints the greedy agreement with float32."""
+    header, alternates the systems --repeat times, runs PagedServe with its
+    prefix cache off (the repeats resend the same prompts) and, with
+    --quantization, in the engine's default dtype, and prints the greedy
+    agreement with float32."""
     from pagedserve.bench import throughput
 
+    made = []
+
+    def spy(**kwargs):
+        made.append(kwargs)
+        return throughput_llm(**kwargs)
+
+    throughput_llm = throughput.LLM
+    monkeypatch.setattr(throughput, "LLM", spy)
     throughput.main(["--model", tiny_llama_dir, "--num-requests", "2", "--prompt-len", "4", "--output-len", "3",
                      "--skip-sequential", "--repeat", "2", "--quantization", "int8"])
     out = capsys.readouterr().out
@@ -118,7 +129,9 @@ def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(ti
     assert "linear layers: int8: q8_0 blocks, int8 activations (no GGUF blocks" in out
     assert "decoder forward pagedserve (lean Llama forward; auto: a Llama-architecture model)" in out
     assert "| PagedServe |" in out and "| HF generate(), static batch |" in out
-    assert "accuracy of PagedServe (float32, linear layers int8) against float32 (greedy, 2 sequences of 3" in out
+    assert made[0]["enable_prefix_caching"] is False and made[0]["dtype"] == "auto"
+    dtype = "bfloat16" if "PagedServe bfloat16:" in out else "float32"
+    assert f"accuracy of PagedServe ({dtype}, linear layers int8) against float32 (greedy, 2 sequences of 3" in out
     with pytest.raises(SystemExit):
         throughput.main(["--model", tiny_llama_dir, "--repeat", "0"])
 

@@ -13,8 +13,13 @@
 // Threading: the rows are split over ThreadPool::get(num_threads) (shared with
 // the attention backend: pass the same num_threads, usually
 // torch.get_num_threads(), or the process-wide pool is rebuilt) only when each
-// of at least two threads gets >= kFusedMinElemsPerTask elements; fewer rows
-// (a decode step) run on the calling thread with no hand-off.
+// of at least two threads gets >= kFusedMinElemsPerTask elements while the
+// pool's workers poll (ThreadPool::set_spin_micros > 0), or >=
+// kFusedMinElemsPerTaskAsleep while they sleep (waking one costs tens of
+// microseconds on a VM: measured on a 2-core AVX-512 Xeon, silu_and_mul over
+// [32, 1536] float32 took ~140 us through the sleeping pool, ~30 us on the
+// calling thread, ~25 us through a polling pool); fewer rows (a decode step)
+// run on the calling thread with no hand-off.
 //
 // Every function validates all arguments (and, for rotary_embedding, every
 // position) before it writes anything, and throws KernelArgumentError naming
@@ -31,6 +36,7 @@ namespace pagedserve {
 namespace cpu {
 
 constexpr int64_t kFusedMinElemsPerTask = 32768;  // elements a thread must get before the ops go parallel
+constexpr int64_t kFusedMinElemsPerTaskAsleep = 131072;  // the same while the pool's workers sleep
 
 // RMSNorm (Zhang & Sennrich 2019) with Hugging Face LlamaRMSNorm's semantics:
 //   out = weight * to_dtype(x * rsqrt(mean(x^2, -1) + eps))

@@ -2,15 +2,19 @@
 
 N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
 EOS ignored; the Hugging Face baselines run in float32, PagedServe in --dtype
-(float32 by default, so its greedy tokens can be compared with static
+(by default float32, so its greedy tokens can be compared with static
 batching's: float32 rounding differs between a padded batch and a packed one,
-so a near-tie can flip a token). Each system first runs a short untimed
+so a near-tie can flip a token; with --quantization the engine's own default,
+auto, as `pagedserve serve --quantization ...` runs: bfloat16 activations where
+the CPU has native bf16 arithmetic). Each system first runs a short untimed
 warm-up; --repeat R alternates static batching and PagedServe R times and
-keeps each one's fastest run. Prints tokens/s of each and the ratios, and how
+keeps each one's fastest run. PagedServe runs with its prefix cache off: the
+repeats send the same prompts again, and a cache hit there would skip prefill
+work that static batching has to do. Prints tokens/s of each and the ratios, and how
 many PagedServe outputs equal static batching's.
 
     pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--skip-sequential]
-                                [--repeat R] [--dtype float32|bfloat16] [--quantization none|q4|int8]
+                                [--repeat R] [--dtype auto|float32|bfloat16] [--quantization none|q4|int8]
                                 [--linear-impl auto|torch|onednn] [--model-impl auto|pagedserve|transformers]
                                 [--plot PATH] [--constrained K]
 
@@ -18,7 +22,7 @@ many PagedServe outputs equal static batching's.
 
 The table's header names PagedServe's decoder forward and the GEMM path its
 start-up chooser took (or the quantisation), and the weights' memory. With
---quantization or --dtype bfloat16 the outputs are no longer float32's: the
+--quantization or a bfloat16 --dtype the outputs are no longer float32's: the
 script then prints the greedy agreement with static batching's float32
 sequences and the perplexity of a fixed English text
 (pagedserve/bench/data/perplexity.txt, written for this benchmark) under
@@ -135,9 +139,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="PagedServe's GEMM path (auto: measured at start-up; the table names the one chosen)")
     ap.add_argument("--model-impl", default="auto", choices=["auto", "pagedserve", "transformers"],
                     help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                     help="PagedServe's weights, activations and KV cache (the Hugging Face baselines stay float32); "
-                         "with bfloat16 the outputs are no longer float32's and the accuracy figures are printed")
+                         "default: float32, or with --quantization the engine's default (auto: bfloat16 where the "
+                         "CPU has native bf16); with bfloat16 the outputs are no longer float32's and the accuracy "
+                         "figures are printed")
     ap.add_argument("--quantization", default="none", choices=["none", "q4", "int8"],
                     help="PagedServe on quantised weights (q4: the GGUF's own Q4_1 blocks); also prints accuracy "
                          "figures: greedy agreement with the float32 path and perplexity on a fixed text")
@@ -155,8 +161,13 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
     plots.require_writable(ap, args.plot)
 
+    # prefix caching off: --repeat sends the same prompts again (and the warm-up sends four of them), and a
+    # cache hit would skip prefill that static batching has to redo; the prompts share no prefix otherwise
+    if args.dtype is None:
+        args.dtype = "float32" if args.quantization == "none" else "auto"
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
-              linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization)
+              linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization,
+              enable_prefix_caching=False)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -201,9 +212,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
 
     static_tps = next(r[2] for r in rows if "static" in r[0])
     eng = llm.engine
+    dtype = str(eng.dtype).removeprefix("torch.")  # what --dtype resolved to
     variant = type(eng.backend).active_variant()
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
-          f"greedy, {torch.get_num_threads()} threads; HF float32; PagedServe {args.dtype}: attention backend "
+          f"greedy, {torch.get_num_threads()} threads; HF float32; PagedServe {dtype}: attention backend "
           f"{eng.backend.name}{f' ({variant} kernels)' if variant else ''}; decoder forward {eng.model_impl}; "
           f"linear layers: {eng.linear_path}; weights {eng.weight_bytes / 2**20:.0f} MiB")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
@@ -211,11 +223,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for name, dt, tps in rows:
         print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
     print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")
-    if args.quantization != "none" or args.dtype != "float32":
+    if args.quantization != "none" or dtype != "float32":
         print_accuracy(llm, model, outs, static, args.output_len)
     if args.plot:
         plot(rows, args.plot, title=f"{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} "
-             f"output) tokens, greedy, {torch.get_num_threads()} threads; PagedServe {args.dtype}"
+             f"output) tokens, greedy, {torch.get_num_threads()} threads; PagedServe {dtype}"
              f"{'' if args.quantization == 'none' else ', ' + args.quantization}")
 
 

@@ -14,6 +14,7 @@ import torch
 from ..kernels.backend import AttentionBackend, AttentionMetadata
 from .attention import ForwardContext, forward_context
 from .features import logits_transform
+from .quantization import QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +109,14 @@ class ModelRunner:
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32 on
         the CPU, after what the model's own forward does to them (final
-        soft-cap, scaling: pagedserve.model.features.logits_transform)."""
+        soft-cap, scaling: pagedserve.model.features.logits_transform). A
+        quantised output layer gets the hidden states widened to float32 (the
+        same values: its kernel quantises them to int8 either way) and so
+        writes float32 logits: no bfloat16 rounding of the logits, and no
+        [N, vocab] conversion afterwards (measured: 5 of 9 ms per 32-row
+        decode step on a 2-core AVX-512 Xeon)."""
+        if isinstance(self.lm_head, QuantLinear) and hidden.dtype != torch.float32:
+            hidden = hidden.float()
         logits = self.lm_head(hidden)
         if self.logits_transform is not None:
             logits = self.logits_transform(logits)
