@@ -7,6 +7,7 @@
 // d * q + m must round twice, as numpy does.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -347,6 +348,56 @@ TEST_P(QuantLinearVariant, GivesTheScalarVariantsResultClosely) {
   }
 }
 
+// A row's output is bit-identical whatever batch, pass size (the SIMD variants
+// take up to 8 rows per pass, then the rest), work split or thread count
+// computed it: every row of an M-row call against the same row run alone and
+// in other sub-batches.
+TEST_P(QuantLinearVariant, ARowsResultDoesNotDependOnItsBatchOrThreads) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(21);
+  const int64_t n = 83, k = 160, m = 29;  // N: 5 full row groups + 3 columns; M: passes of 8, 8, 8 and 5
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng, true);
+    QuantizedWeight w(raw.data(), q, n, k);
+    std::vector<float> x(m * k), bias(n);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : bias) v = nd(rng);
+    auto b = arg(bias, {n}, DType::kFloat32, "bias");
+    for (bool bf16 : {false, true}) {
+      std::vector<uint16_t> xb(m * k);
+      for (int64_t i = 0; i < m * k; ++i) xb[i] = to_bf16_bits(x[i]);
+      // out[r0 .. r0+rows) for rows r0.. of x, as raw bits (float32 or bfloat16)
+      const auto run = [&](int64_t r0, int64_t rows, int threads) {
+        std::vector<uint32_t> bits(rows * n);
+        if (bf16) {
+          std::vector<uint16_t> xs(xb.begin() + r0 * k, xb.begin() + (r0 + rows) * k), o(rows * n);
+          w.linear(arg(xs, {rows, k}, DType::kBFloat16, "x"), arg(o, {rows, n}, DType::kBFloat16, "out"), &b,
+                   threads);
+          for (int64_t i = 0; i < rows * n; ++i) bits[i] = o[i];
+        } else {
+          std::vector<float> xs(x.begin() + r0 * k, x.begin() + (r0 + rows) * k), o(rows * n);
+          w.linear(arg(xs, {rows, k}, DType::kFloat32, "x"), arg(o, {rows, n}, DType::kFloat32, "out"), &b,
+                   threads);
+          std::memcpy(bits.data(), o.data(), o.size() * 4);
+        }
+        return bits;
+      };
+      const std::vector<uint32_t> all = run(0, m, 3);
+      EXPECT_EQ(run(0, m, 1), all) << qtype_name(q) << " bf16=" << bf16 << ": 1 vs 3 threads";
+      const int64_t subs[][2] = {{0, 1}, {5, 1}, {28, 1}, {3, 7}, {10, 9}, {1, 16}, {13, 2}};
+      for (const auto& sb : subs) {
+        const std::vector<uint32_t> part = run(sb[0], sb[1], 2);
+        for (int64_t i = 0; i < sb[1] * n; ++i) {
+          ASSERT_EQ(part[i], all[sb[0] * n + i]) << qtype_name(q) << " bf16=" << bf16 << " rows [" << sb[0] << ", "
+                                                 << sb[0] + sb[1] << ") element " << i;
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,
                          ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
@@ -449,6 +500,56 @@ TEST(QuantIsa, TheBestSupportedVariantWithinTheAttentionCapIsActive) {
   if (const char* expect = std::getenv("PAGEDSERVE_EXPECT_QUANT_ISA")) EXPECT_EQ(active, expect);
   std::cout << "[ isa ] active quantized-linear variant: " << active << " (attention variant " << attention
             << ", avx512_vnni=" << cpu_features().avx512_vnni << ", avx_vnni=" << cpu_features().avx_vnni << ")\n";
+}
+
+// The SIMD variants quantise the activations lane-wise with the scalar
+// variant's steps: the same bytes and scales for ordinary values, NaN, +-inf,
+// subnormals, all-zero groups, huge groups and exact .5 ties, float32 and
+// bfloat16, rows written in two calls at once into a larger M.
+TEST(QuantIsa, EveryVariantQuantisesActivationsBitIdentically) {
+  const QuantKernelTable& ref = quant_kernel_table_scalar();
+  const int64_t m = 7, k = 256, nb = k / 32;
+  std::mt19937 rng(17);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  std::vector<float> x(m * k);
+  for (auto& v : x) v = nd(rng);
+  for (int64_t e = 0; e < 32; ++e) x[32 + e] = 0.f;                    // row 0, group 1: all zero
+  for (int64_t e = 0; e < 32; ++e) x[64 + e] = 1e-40f * (e - 16);      // subnormal group
+  for (int64_t e = 0; e < 32; ++e) x[96 + e] = 3e38f * (e % 2 ? 1 : -1);
+  x[128 + 3] = NAN;                                                     // a NaN in a group
+  x[160 + 7] = INFINITY;                                                // inf: scale inf, quants 0 / NaN -> 0
+  x[192 + 9] = -INFINITY;
+  for (int64_t e = 0; e < 32; ++e) x[k + e] = static_cast<float>(e) - 15.5f;  // ties once scaled
+  for (int64_t e = 0; e < 32; ++e) x[k + 32 + e] = e == 0 ? 127.f : static_cast<float>(e) + 0.5f;
+  for (int64_t e = 0; e < 32; ++e) x[k + 64 + e] = NAN;                 // all NaN
+  std::vector<uint16_t> xb(m * k);
+  for (int64_t i = 0; i < m * k; ++i) xb[i] = std::isnan(x[i]) ? static_cast<uint16_t>(0x7FC0) : to_bf16_bits(x[i]);
+  struct Out {
+    std::vector<int8_t> xq;
+    std::vector<float> xd, xs;
+    std::vector<int32_t> xsum128;
+  };
+  const auto quantise = [&](const QuantKernelTable& t, bool bf16) {
+    Out o{std::vector<int8_t>(m * k, -128), std::vector<float>(m * nb, -1.f), std::vector<float>(m * nb, -1.f),
+          std::vector<int32_t>(m * nb, -1)};
+    const void* src = bf16 ? static_cast<const void*>(xb.data()) : static_cast<const void*>(x.data());
+    const DType dt = bf16 ? DType::kBFloat16 : DType::kFloat32;
+    t.quantize_rows(src, dt, k, m, 0, 3, o.xq.data(), o.xd.data(), o.xsum128.data(), o.xs.data());
+    t.quantize_rows(src, dt, k, m, 3, m, o.xq.data(), o.xd.data(), o.xsum128.data(), o.xs.data());
+    return o;
+  };
+  for (bool bf16 : {false, true}) {
+    const Out want = quantise(ref, bf16);
+    EXPECT_EQ(std::count(want.xq.begin(), want.xq.end(), -128), 0);  // every element written (quants: [-127, 127])
+    for (const QuantIsaVariant& v : compiled_quant_isas()) {
+      if (!v.supported()) continue;
+      const Out got = quantise(v.table(), bf16);
+      EXPECT_EQ(got.xq, want.xq) << v.name << " bf16=" << bf16;
+      EXPECT_EQ(got.xsum128, want.xsum128) << v.name << " bf16=" << bf16;
+      EXPECT_EQ(std::memcmp(got.xd.data(), want.xd.data(), want.xd.size() * 4), 0) << v.name << " bf16=" << bf16;
+      EXPECT_EQ(std::memcmp(got.xs.data(), want.xs.data(), want.xs.size() * 4), 0) << v.name << " bf16=" << bf16;
+    }
+  }
 }
 
 TEST(QuantIsa, AVariantThisCpuCannotRunIsRefusedNotExecuted) {

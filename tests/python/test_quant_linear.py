@@ -102,6 +102,29 @@ def test_every_runnable_variant_agrees(gguf_tensors):
         assert ((o - ref).norm() / ref.norm()).item() < 1e-6, name
 
 
+def test_a_rows_result_does_not_depend_on_its_batch(gguf_tensors):
+    """Every variant computes each output row the same (bit for bit) in a
+    batch of 37 (several multi-row passes and a remainder), alone, and in other
+    sub-batches, on 1 or 2 threads."""
+    _gguf, tensors = gguf_tensors
+    w, n, k = build(tensors["blk.2.ffn_gate.weight"])
+    x = torch.randn(37, k, generator=torch.Generator().manual_seed(1)).bfloat16()
+    active = cpu.quant_kernel_isa()
+    try:
+        for name, supported, _needs in cpu.quant_compiled_isas():
+            if not supported:
+                continue
+            cpu.set_quant_kernel_isa(name)
+            full = torch.empty(37, n, dtype=torch.bfloat16)
+            w.linear(x, full, None, 2)
+            for r0, rows, threads in ((0, 1, 1), (36, 1, 2), (3, 9, 2), (8, 24, 1), (11, 5, 2)):
+                part = torch.empty(rows, n, dtype=torch.bfloat16)
+                w.linear(x[r0:r0 + rows].contiguous(), part, None, threads)
+                assert torch.equal(part.view(torch.int16), full[r0:r0 + rows].view(torch.int16)), (name, r0, rows)
+    finally:
+        cpu.set_quant_kernel_isa(active)
+
+
 def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
     _gguf, tensors = gguf_tensors
     t = tensors["blk.0.attn_k.weight"]

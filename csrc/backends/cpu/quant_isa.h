@@ -38,14 +38,18 @@ constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
 
 enum class QType { kQ4_1, kQ8_0 };
 
-// Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea):
-// xq [M, K] int8 in [-127, 127], and per (row, group) xd = amax / 127 (the
-// scale), xsum = sum of the group's xq (int32) and xs = xd * xsum (float).
+// Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea), stored
+// group-major so that a pass over consecutive rows reads one contiguous run per
+// group (one pointer, fixed offsets): for row r (0 .. M-1) and group b
+// (0 .. K/32-1), xq[(b * M + r) * 32 + e] (e < 32) are the int8 quants in
+// [-127, 127], and at index b * M + r: xd = amax / 127 (the scale), xs = xd *
+// sum(the group's xq) (float) and xsum128 = -128 * that sum (int32: the start
+// value of the Q8_0 VNNI sums, which multiply q + 128; a broadcast load).
 struct QuantActivations {
-  const int8_t* xq;
-  const float* xd;      // [M, K/32]
-  const int32_t* xsum;  // [M, K/32]
-  const float* xs;      // [M, K/32]
+  const int8_t* xq;        // [K/32, M, 32]
+  const float* xd;         // [K/32, M]
+  const int32_t* xsum128;  // [K/32, M]
+  const float* xs;         // [K/32, M]
 };
 
 // One GEMM call: out [M, N] (row stride N, dtype float32 or bfloat16) =
@@ -64,12 +68,12 @@ struct QuantGemmArgs {
 // One variant of the quantized kernels.
 struct QuantKernelTable {
   const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni"
-  // Quantises rows [r0, r1) of x [M, K] (float32 or bfloat16, contiguous):
-  // xq [M, K], xd / xsum / xs [M, K/32] (QuantActivations), rows r0..r1 written.
-  // The same plain C++ in every variant (built with -ffp-contract=off), so every
-  // variant quantises bit-identically.
-  void (*quantize_rows)(const void* x, DType dtype, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd,
-                        int32_t* xsum, float* xs);
+  // Quantises rows [r0, r1) of x [M, K] (float32 or bfloat16, contiguous) into
+  // xq / xd / xsum128 / xs (QuantActivations' layout for M rows), rows r0..r1 written.
+  // Bit-identical in every variant: the scalar one is plain C++ (built with
+  // -ffp-contract=off), the SIMD ones do the same IEEE steps lane-wise.
+  void (*quantize_rows)(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq,
+                        float* xd, int32_t* xsum128, float* xs);
   // Computes out rows [m0, m1) x row groups [g0, g1) (columns 16*g0 ..
   // min(N, 16*g1)).
   void (*gemm)(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);

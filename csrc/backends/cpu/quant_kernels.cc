@@ -20,7 +20,14 @@
 // (i16 pairs -> i32); Q4_1 sums eight vpmaddubsw results in i16 first (each
 // at most 2 * 15 * 127, eight of them below 32767); Q8_0 would saturate i16 as
 // q + 128, so it uses the |w| / sign(x, w) form instead. Several activation
-// rows reuse each unpacked weight tile in registers (compute-bound prefill).
+// rows reuse each unpacked weight tile in registers (compute-bound batches):
+// 8 per pass with AVX-512, 4 with 256 bits.
+//
+// Within a variant a row's result does not depend on the pass, the work item
+// or the thread that computed it: the integer sums are exact (any order) and
+// the float steps per (row, block) are always the same: scale = d * xd, then
+// acc = fma(isum, scale, acc) and, for Q4_1, acc = fma(m, xs, acc) (the scalar
+// variant rounds the product and the sum separately instead).
 //
 // Everything but the table getter has internal linkage and no standard-library
 // template is used (tests/cpp/check_isa_objects.cmake verifies the objects).
@@ -52,23 +59,18 @@ namespace {
 
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
-inline int32_t load_i32(const void* p) {
-  int32_t v;
-  memcpy(&v, p, sizeof v);
-  return v;
-}
-
 inline uint16_t load_u16(const void* p) {
   uint16_t v;
   memcpy(&v, p, sizeof v);
   return v;
 }
 
-// ---- activation quantisation (plain C++, identical in every variant) ----
+// ---- activation quantisation (bit-identical in every variant) ----
 
+#if PAGEDSERVE_QISA_LEVEL == 0
 template <typename T>
-void quantize_rows_typed(const T* x, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd, int32_t* xsum,
-                         float* xs) {
+void quantize_rows_typed(const T* x, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq, float* xd,
+                         int32_t* xsum128, float* xs) {
   const int64_t nb = k / kQBlock;
   for (int64_t r = r0; r < r1; ++r) {
     for (int64_t b = 0; b < nb; ++b) {
@@ -88,7 +90,7 @@ void quantize_rows_typed(const T* x, int64_t k, int64_t r0, int64_t r1, int8_t* 
       }
       const float d = amax / 127.f;
       const float id = d != 0.f ? 1.f / d : 0.f;
-      int8_t* q = xq + r * k + b * kQBlock;
+      int8_t* q = xq + (b * m + r) * kQBlock;
       int32_t sum = 0;
       for (int i = 0; i < kQBlock; ++i) {
         float t = v[i] * id;
@@ -99,21 +101,148 @@ void quantize_rows_typed(const T* x, int64_t k, int64_t r0, int64_t r1, int8_t* 
         q[i] = static_cast<int8_t>(qi);
         sum += qi;
       }
-      xd[r * nb + b] = d;
-      xsum[r * nb + b] = sum;
-      xs[r * nb + b] = d * static_cast<float>(sum);
+      xd[b * m + r] = d;
+      xsum128[b * m + r] = -128 * sum;
+      xs[b * m + r] = d * static_cast<float>(sum);
     }
   }
 }
 
-void quantize_rows(const void* x, DType dtype, int64_t k, int64_t r0, int64_t r1, int8_t* xq, float* xd,
-                   int32_t* xsum, float* xs) {
+void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq,
+                   float* xd, int32_t* xsum128, float* xs) {
   if (dtype == DType::kFloat32) {
-    quantize_rows_typed(static_cast<const float*>(x), k, r0, r1, xq, xd, xsum, xs);
+    quantize_rows_typed(static_cast<const float*>(x), k, m, r0, r1, xq, xd, xsum128, xs);
   } else {
-    quantize_rows_typed(static_cast<const bf16*>(x), k, r0, r1, xq, xd, xsum, xs);
+    quantize_rows_typed(static_cast<const bf16*>(x), k, m, r0, r1, xq, xd, xsum128, xs);
   }
 }
+
+#else
+// The scalar variant's steps, lane-wise, hence bit-identical to it: amax is the
+// max of the non-NaN |v| (max_ps(a, b) is a > b ? a : b, so a NaN |v| never
+// replaces the running value, as in the scalar loop; the max of non-NaN values
+// does not depend on the order); d, id and xs are the same scalar expressions;
+// per element the same multiply, NaN -> 0, clamp (min then max: no NaN is left),
+// + (2^23 + 2^22) - (2^23 + 2^22) and truncation; the integer sum is exact in any
+// order.
+#if PAGEDSERVE_QISA_LEVEL == 3
+using VecF = __m512;   // 16 lanes
+using VecI = __m512i;
+constexpr int kLanes = 16;
+
+template <bool kBf16>
+inline VecF load_lanes(const char* p) {  // float32 or bfloat16 (-> float32 exactly: bits << 16)
+  if constexpr (kBf16) {
+    const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(h, 16));
+  } else {
+    return _mm512_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+inline VecF abs_max(VecF v, VecF mx) {
+  return _mm512_max_ps(_mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FFFFFFF))), mx);
+}
+inline float hmax(VecF mx) { return _mm512_reduce_max_ps(mx); }
+inline VecF nan_to_zero(VecF t) { return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(t, t, _CMP_ORD_Q), t); }
+inline VecF set1f(float v) { return _mm512_set1_ps(v); }
+inline VecF mulf(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
+inline VecF addf(VecF a, VecF b) { return _mm512_add_ps(a, b); }
+inline VecF subf(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF minf(VecF a, VecF b) { return _mm512_min_ps(a, b); }
+inline VecF maxf(VecF a, VecF b) { return _mm512_max_ps(a, b); }
+inline VecI trunc_i32(VecF t) { return _mm512_cvttps_epi32(t); }
+// The 32 quants (int32 in [-127, 127]) to int8 at q; returns their sum.
+inline int32_t store_q(int8_t* q, const VecI* qi) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qi[0]));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qi[1]));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
+}
+#else
+using VecF = __m256;  // 8 lanes
+using VecI = __m256i;
+constexpr int kLanes = 8;
+
+template <bool kBf16>
+inline VecF load_lanes(const char* p) {
+  if constexpr (kBf16) {
+    const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+  } else {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(p));
+  }
+}
+inline VecF abs_max(VecF v, VecF mx) {
+  return _mm256_max_ps(_mm256_and_ps(v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF))), mx);
+}
+inline float hmax(VecF mx) {
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  return _mm_cvtss_f32(m4);
+}
+inline VecF nan_to_zero(VecF t) { return _mm256_and_ps(t, _mm256_cmp_ps(t, t, _CMP_ORD_Q)); }
+inline VecF set1f(float v) { return _mm256_set1_ps(v); }
+inline VecF mulf(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
+inline VecF addf(VecF a, VecF b) { return _mm256_add_ps(a, b); }
+inline VecF subf(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF minf(VecF a, VecF b) { return _mm256_min_ps(a, b); }
+inline VecF maxf(VecF a, VecF b) { return _mm256_max_ps(a, b); }
+inline VecI trunc_i32(VecF t) { return _mm256_cvttps_epi32(t); }
+inline int32_t store_q(int8_t* q, const VecI* qi) {
+  // packs interleave the 128-bit lanes; the permute restores the element order (no saturation: |q| <= 127)
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]), _mm256_packs_epi32(qi[2], qi[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+  s4 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 1));
+  return _mm_cvtsi128_si32(s4);
+}
+#endif
+
+template <bool kBf16>
+void quantize_rows_simd(const void* x, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq, float* xd,
+                        int32_t* xsum128, float* xs) {
+  constexpr int kVecs = kQBlock / kLanes;
+  constexpr int64_t kElem = kBf16 ? 2 : 4;  // bytes per input element
+  const int64_t nb = k / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const char* src = static_cast<const char*>(x) + (r * k + b * kQBlock) * kElem;
+      VecF v[kVecs];
+      VecF mx = set1f(0.f);
+      for (int i = 0; i < kVecs; ++i) {
+        v[i] = load_lanes<kBf16>(src + i * kLanes * kElem);
+        mx = abs_max(v[i], mx);
+      }
+      const float amax = hmax(mx);
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      const VecF idv = set1f(id), magic = set1f(12582912.f);
+      VecI qi[kVecs];
+      for (int i = 0; i < kVecs; ++i) {
+        VecF t = nan_to_zero(mulf(v[i], idv));
+        t = maxf(minf(t, set1f(127.f)), set1f(-127.f));
+        qi[i] = trunc_i32(subf(addf(t, magic), magic));
+      }
+      const int32_t sum = store_q(xq + (b * m + r) * kQBlock, qi);
+      xd[b * m + r] = d;
+      xsum128[b * m + r] = -128 * sum;
+      xs[b * m + r] = d * static_cast<float>(sum);
+    }
+  }
+}
+
+void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq,
+                   float* xd, int32_t* xsum128, float* xs) {
+  if (dtype == DType::kFloat32) {
+    quantize_rows_simd<false>(x, k, m, r0, r1, xq, xd, xsum128, xs);
+  } else {
+    quantize_rows_simd<true>(x, k, m, r0, r1, xq, xd, xsum128, xs);
+  }
+}
+#endif
 
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(width, N - c0).
 inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, const float* acc) {
@@ -134,10 +263,9 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
   const int64_t nb = a.k / kQBlock;
   float acc[kQRows];
   for (int j = 0; j < kQRows; ++j) acc[j] = 0.f;
-  const int8_t* xrow = a.x.xq + r * a.k;
   for (int64_t b = 0; b < nb; ++b) {
-    const int8_t* xq = xrow + b * kQBlock;
-    const float xd = a.x.xd[r * nb + b], xs = a.x.xs[r * nb + b];
+    const int8_t* xq = a.x.xq + (b * a.m + r) * kQBlock;
+    const float xd = a.x.xd[b * a.m + r], xs = a.x.xs[b * a.m + r];
     if (a.qtype == QType::kQ4_1) {
       const uint8_t* t = a.w + (g * nb + b) * kQ41TileBytes;
       for (int j = 0; j < kQRows; ++j) {
@@ -176,219 +304,286 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 }
 
 #elif PAGEDSERVE_QISA_LEVEL == 3
-// ---- AVX-512 VNNI: 16 output rows per zmm, up to 4 activation rows per pass ----
+// ---- AVX-512 VNNI: 16 output rows per zmm, up to 8 activation rows per pass ----
+//
+// Each unpacked weight register serves every row of the pass (8 integer sums +
+// 8 float accumulators + a few temporaries stay in the 32 zmm). The activations
+// of the pass's rows for one block are one contiguous run (QuantActivations'
+// layout), so one pointer with fixed offsets addresses them, as
+// embedded-broadcast operands of vpdpbusd.
+//
+// What bounds it (a 2-core Sapphire Rapids VM without PMU counters, so found by
+// removing instructions): vpdpbusd, the unpack and the float epilogue all issue
+// to ports 0 and 5, two per cycle; per row and block that is 8 vpdpbusd + 4
+// epilogue (cvt, d * xd, fma, fma for Q4_1) + 1.5 unpack, and the loads (mostly
+// the broadcasts) come near their limit too: ~185 GMAC/s per core at M >= 8
+// with the weights in cache, against ~410 for vpdpbusd alone.
 
-constexpr int kRowsPerPass = 4;
+constexpr int kRowsPerPass = 8;
 
-template <int R>
-void q41_pass(const QuantGemmArgs& a, int64_t g, int64_t r) {
-  const int64_t nb = a.k / kQBlock;
-  const uint8_t* t = a.w + g * nb * kQ41TileBytes;
-  const __m512i low = _mm512_set1_epi8(0x0F);
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, t += kQ41TileBytes) {
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-    const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
-    __m512i w[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * p);
-      w[p] = _mm512_and_si512(raw, low);
-      w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-    }
-    for (int i = 0; i < R; ++i) {
-      const int64_t row = r + i;
-      const int8_t* xq = a.x.xq + row * a.k + b * kQBlock;
-      __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(load_i32(xq + 4 * c)));
-        s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(load_i32(xq + 4 * c + 4)));
-      }
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.x.xd[row * nb + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[i]);
-      acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.x.xs[row * nb + b]), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    alignas(64) float buf[16];
-    _mm512_store_ps(buf, acc[i]);
-    write_out(a, r + i, g * kQRows, kQRows, buf);
-  }
+typedef int32_t unaligned_i32 __attribute__((may_alias, aligned(1)));
+
+// s += w . broadcast(the 4 int8 at p) per dword lane, the activation dword as an
+// embedded-broadcast memory operand (GCC 12 would load it with a separate
+// vpbroadcastd, one more instruction to issue per vpdpbusd).
+inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* p) {
+  __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*reinterpret_cast<const unaligned_i32*>(p)));
+  return s;
 }
 
-template <int R>
-void q80_pass(const QuantGemmArgs& a, int64_t g, int64_t r) {
-  const int64_t nb = a.k / kQBlock;
-  const uint8_t* t = a.w + g * nb * kQ80TileBytes;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, t += kQ80TileBytes) {
-    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-    __m512i w[8];
-    for (int c = 0; c < 8; ++c) w[c] = _mm512_xor_si512(_mm512_loadu_si512(t + 32 + 64 * c), flip);  // q + 128
-    for (int i = 0; i < R; ++i) {
-      const int64_t row = r + i;
-      const int8_t* xq = a.x.xq + row * a.k + b * kQBlock;
-      __m512i s0 = _mm512_set1_epi32(-128 * a.x.xsum[row * nb + b]), s1 = _mm512_setzero_si512();
-      for (int c = 0; c < 8; c += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, w[c], _mm512_set1_epi32(load_i32(xq + 4 * c)));
-        s1 = _mm512_dpbusd_epi32(s1, w[c + 1], _mm512_set1_epi32(load_i32(xq + 4 * c + 4)));
-      }
-      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(a.x.xd[row * nb + b]));
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), scale, acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    alignas(64) float buf[16];
-    _mm512_store_ps(buf, acc[i]);
-    write_out(a, r + i, g * kQRows, kQRows, buf);
-  }
-}
-
-template <int R>
-void pass(const QuantGemmArgs& a, int64_t g, int64_t r) {
-  if (a.qtype == QType::kQ4_1) {
-    q41_pass<R>(a, g, r);
+// out[r, c0 + j] = v[j] (+ bias) for j < min(16, N - c0): write_out's steps
+// (one float add, float_to_bf16's rounding) lane-wise, masked at the right edge.
+inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
+  const int64_t nv = imin(kQRows, a.n - c0);
+  const __mmask16 mask = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : (1u << nv) - 1);
+  if (a.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + c0));
+  if (a.out_dtype == DType::kFloat32) {
+    _mm512_mask_storeu_ps(static_cast<float*>(a.out) + r * a.n + c0, mask, v);
   } else {
-    q80_pass<R>(a, g, r);
+    const __m512i bits = _mm512_castps_si512(v);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+    h = _mm512_mask_mov_epi32(h, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm512_mask_cvtepi32_storeu_epi16(static_cast<bf16*>(a.out) + r * a.n + c0, mask, h);
   }
 }
 
-void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+// Out rows r .. r+R-1, columns 16 g .. 16 g + 15. Per block the tile is
+// unpacked one 4-element group c at a time (one weight register), used by the
+// R rows in turn: R independent vpdpbusd chains (two per row when R <= 2, to
+// hide the latency), then per row the float epilogue.
+// pf: nullptr, or the next row group's tiles, prefetched block by block (a
+// model's weights do not stay in the caches from one step to the next; once a
+// group's first pass has brought its tiles in, the other passes find them in L1).
+template <QType Q, int R>
+void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
+  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  // cache lines per tile: 320 bytes from a 64-byte boundary (Q4_1); 544 bytes
+  // from offset 0 or 32 (Q8_0): 9 lines at pf + 64 j either way
+  constexpr int kLines = (kTile + 63) / 64;
+  constexpr int C = R <= 2 ? 2 : 1;  // integer chains per row
+  const int64_t nb = a.k / kQBlock, m = a.m;
+  const uint8_t* t = a.w + g * nb * kTile;
+  const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block
+  const float* xd = a.x.xd + r;             // then + m per block (xs, xsum128 alike)
+  const float* xs = a.x.xs + r;
+  const int32_t* xsum128 = a.x.xsum128 + r;
+  __m512 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m, xsum128 += m) {
+    if (pf != nullptr) {
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+      pf += kTile;
+    }
+    __m512i s[C][R];
+    for (int i = 0; i < R; ++i) {
+      s[0][i] = Q == QType::kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xsum128[i]);
+      if constexpr (C == 2) s[1][i] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < 8; ++c) {
+      __m512i w;
+      if constexpr (Q == QType::kQ4_1) {
+        const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * (c & 3));
+        w = _mm512_and_si512(c < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+      } else {
+        w = _mm512_xor_si512(_mm512_loadu_si512(t + 32 + 64 * c), _mm512_set1_epi8(static_cast<char>(0x80)));
+      }
+      for (int i = 0; i < R; ++i) s[c % C][i] = dpbusd_bcst(s[c % C][i], w, xq + kQBlock * i + 4 * c);
+    }
+    const __m512 dv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+    for (int i = 0; i < R; ++i) {
+      const __m512i si = C == 2 ? _mm512_add_epi32(s[0][i], s[C - 1][i]) : s[0][i];
+      const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[i]));
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), scale, acc[i]);
+    }
+    if constexpr (Q == QType::kQ4_1) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store_row(a, r + i, g * kQRows, acc[i]);
+}
+
+// Row group by row group; the first pass over a group prefetches the next one
+// (one group ahead: its first pass then finds the tiles in L1 or L2 instead of
+// waiting on L3 / memory).
+template <QType Q>
+void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
     int64_t r = m0;
-    for (; r + kRowsPerPass <= m1; r += kRowsPerPass) pass<kRowsPerPass>(a, g, r);
+    for (; r + kRowsPerPass <= m1; r += kRowsPerPass, pf = nullptr) pass<Q, kRowsPerPass>(a, g, r, pf);
     switch (m1 - r) {
-      case 3: pass<3>(a, g, r); break;
-      case 2: pass<2>(a, g, r); break;
-      case 1: pass<1>(a, g, r); break;
+      case 7: pass<Q, 7>(a, g, r, pf); break;
+      case 6: pass<Q, 6>(a, g, r, pf); break;
+      case 5: pass<Q, 5>(a, g, r, pf); break;
+      case 4: pass<Q, 4>(a, g, r, pf); break;
+      case 3: pass<Q, 3>(a, g, r, pf); break;
+      case 2: pass<Q, 2>(a, g, r, pf); break;
+      case 1: pass<Q, 1>(a, g, r, pf); break;
       default: break;
     }
   }
 }
 
-#else
-// ---- 256-bit (AVX-VNNI or AVX2): 8 output rows per ymm (half a row group), up to 2 activation rows ----
-
-constexpr int kRowsPerPass = 2;
-
-// sum over the 8 four-element groups c of w[c] . x[c] (u8 x s8) into i32 lanes, added to s.
-inline __m256i dot_q41(__m256i s, const __m256i* w, const __m256i* x) {
-#if PAGEDSERVE_QISA_LEVEL == 2
-  __m256i s1 = _mm256_setzero_si256();
-  for (int c = 0; c < 8; c += 2) {
-    s = _mm256_dpbusd_avx_epi32(s, w[c], x[c]);
-    s1 = _mm256_dpbusd_avx_epi32(s1, w[c + 1], x[c + 1]);
-  }
-  return _mm256_add_epi32(s, s1);
-#else
-  // i16 partial sums: |each| <= 2 * 15 * 127, eight of them < 32767
-  __m256i p = _mm256_maddubs_epi16(w[0], x[0]);
-  for (int c = 1; c < 8; ++c) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[c], x[c]));
-  return _mm256_add_epi32(s, _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
-#endif
-}
-
-template <int R>
-void q41_pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
-  const int64_t nb = a.k / kQBlock;
-  const uint8_t* t = a.w + g * nb * kQ41TileBytes;
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, t += kQ41TileBytes) {
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
-    const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
-    __m256i w[8];
-    for (int p = 0; p < 4; ++p) {
-      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
-      w[p] = _mm256_and_si256(raw, low);
-      w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-    }
-    for (int i = 0; i < R; ++i) {
-      const int64_t row = r + i;
-      const int8_t* xq = a.x.xq + row * a.k + b * kQBlock;
-      __m256i x[8];
-      for (int c = 0; c < 8; ++c) x[c] = _mm256_set1_epi32(load_i32(xq + 4 * c));
-      const __m256i s = dot_q41(_mm256_setzero_si256(), w, x);
-      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a.x.xd[row * nb + b]));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
-      acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.x.xs[row * nb + b]), acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    alignas(32) float buf[8];
-    _mm256_store_ps(buf, acc[i]);
-    write_out(a, r + i, g * kQRows + 8 * h, 8, buf);
-  }
-}
-
-template <int R>
-void q80_pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
-  const int64_t nb = a.k / kQBlock;
-  const uint8_t* t = a.w + g * nb * kQ80TileBytes;
-  __m256 acc[R];
-  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b, t += kQ80TileBytes) {
-    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
-    __m256i w[8];
-    for (int c = 0; c < 8; ++c) {
-      w[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
-    }
-#if PAGEDSERVE_QISA_LEVEL == 2
-    const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-    for (int c = 0; c < 8; ++c) w[c] = _mm256_xor_si256(w[c], flip);  // q + 128
-#else
-    __m256i aw[8];
-    for (int c = 0; c < 8; ++c) aw[c] = _mm256_sign_epi8(w[c], w[c]);  // |q| (-128 -> 128 as u8)
-    const __m256i ones = _mm256_set1_epi16(1);
-#endif
-    for (int i = 0; i < R; ++i) {
-      const int64_t row = r + i;
-      const int8_t* xq = a.x.xq + row * a.k + b * kQBlock;
-#if PAGEDSERVE_QISA_LEVEL == 2
-      __m256i s0 = _mm256_set1_epi32(-128 * a.x.xsum[row * nb + b]), s1 = _mm256_setzero_si256();
-      for (int c = 0; c < 8; c += 2) {
-        s0 = _mm256_dpbusd_avx_epi32(s0, w[c], _mm256_set1_epi32(load_i32(xq + 4 * c)));
-        s1 = _mm256_dpbusd_avx_epi32(s1, w[c + 1], _mm256_set1_epi32(load_i32(xq + 4 * c + 4)));
-      }
-      const __m256i s = _mm256_add_epi32(s0, s1);
-#else
-      __m256i s = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        const __m256i sx = _mm256_sign_epi8(_mm256_set1_epi32(load_i32(xq + 4 * c)), w[c]);  // x * sign(q)
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(aw[c], sx), ones));
-      }
-#endif
-      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(a.x.xd[row * nb + b]));
-      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), scale, acc[i]);
-    }
-  }
-  for (int i = 0; i < R; ++i) {
-    alignas(32) float buf[8];
-    _mm256_store_ps(buf, acc[i]);
-    write_out(a, r + i, g * kQRows + 8 * h, 8, buf);
-  }
-}
-
-template <int R>
-void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
+void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   if (a.qtype == QType::kQ4_1) {
-    q41_pass<R>(a, g, h, r);
+    gemm_typed<QType::kQ4_1>(a, g0, g1, m0, m1);
   } else {
-    q80_pass<R>(a, g, h, r);
+    gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
+  }
+}
+
+#else
+// ---- 256-bit (AVX-VNNI or AVX2): 8 output rows per ymm (half a row group), up to 4 activation rows ----
+//
+// Only 16 ymm: the tile is unpacked one 4-element group c at a time and used by
+// every row of the pass before the next (R integer sums + R accumulators + the
+// scales stay in registers).
+
+constexpr int kRowsPerPass = 4;
+
+inline __m256i bcast_x(const int8_t* p) {  // the activation dword at p in every lane
+  int32_t v;
+  memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// out[r, c0 + j] = v[j] (+ bias) for j < min(8, N - c0): write_out's steps
+// (one float add, float_to_bf16's rounding) lane-wise; write_out itself at the
+// right edge.
+inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
+  if (a.n - c0 < 8) {
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    write_out(a, r, c0, 8, buf);
+    return;
+  }
+  if (a.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + c0));
+  if (a.out_dtype == DType::kFloat32) {
+    _mm256_storeu_ps(static_cast<float*>(a.out) + r * a.n + c0, v);
+  } else {
+    const __m256i bits = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7FFF))), 16);
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    const __m128i h16 = _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<bf16*>(a.out) + r * a.n + c0), h16);
+  }
+}
+
+// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7; pf as in the
+// AVX-512 pass.
+template <QType Q, int R>
+void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
+  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  constexpr int kLines = (kTile + 63) / 64;
+  const int64_t nb = a.k / kQBlock, m = a.m;
+  const uint8_t* t = a.w + g * nb * kTile;
+  const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block; row i at + 32 i
+  const float* xd = a.x.xd + r;             // then + m per block (xs, xsum128 alike)
+  const float* xs = a.x.xs + r;
+  const int32_t* xsum128 = a.x.xsum128 + r;
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m, xsum128 += m) {
+    if (pf != nullptr) {
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+      pf += kTile;
+    }
+    __m256i s[R];
+    if constexpr (Q == QType::kQ4_1) {
+      const __m256i low = _mm256_set1_epi8(0x0F);
+#if PAGEDSERVE_QISA_LEVEL == 2
+      for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+      for (int p = 0; p < 4; ++p) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], lo, bcast_x(xq + kQBlock * i + 4 * p));
+        for (int i = 0; i < R; ++i) {
+          s[i] = _mm256_dpbusd_avx_epi32(s[i], hi, bcast_x(xq + kQBlock * i + 16 + 4 * p));
+        }
+      }
+#else
+      // i16 partial sums: |each vpmaddubsw| <= 2 * 15 * 127, eight of them < 32767
+      __m256i p16[R];
+      for (int p = 0; p < 4; ++p) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
+        const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        for (int i = 0; i < R; ++i) {
+          const __m256i v = _mm256_maddubs_epi16(lo, bcast_x(xq + kQBlock * i + 4 * p));
+          p16[i] = p == 0 ? v : _mm256_add_epi16(p16[i], v);
+        }
+        for (int i = 0; i < R; ++i) {
+          p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, bcast_x(xq + kQBlock * i + 16 + 4 * p)));
+        }
+      }
+      for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(p16[i], _mm256_set1_epi16(1));
+#endif
+    } else {
+#if PAGEDSERVE_QISA_LEVEL == 2
+      const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+      for (int i = 0; i < R; ++i) s[i] = _mm256_set1_epi32(xsum128[i]);
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w =  // q + 128
+            _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h)), flip);
+        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], w, bcast_x(xq + kQBlock * i + 4 * c));
+      }
+#else
+      const __m256i ones = _mm256_set1_epi16(1);
+      for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |q| (-128 -> 128 as u8)
+        for (int i = 0; i < R; ++i) {
+          const __m256i sx = _mm256_sign_epi8(bcast_x(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
+          s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+        }
+      }
+#endif
+    }
+    const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
+    for (int i = 0; i < R; ++i) {
+      const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xd[i]));
+      acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
+    }
+    if constexpr (Q == QType::kQ4_1) {
+      const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
+      for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i]), acc[i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) store_row(a, r + i, g * kQRows + 8 * h, acc[i]);
+}
+
+// The first pass over a group prefetches the next one (as in the AVX-512 gemm).
+template <QType Q>
+void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
+    for (int h = 0; h < 2; ++h) {
+      if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
+      int64_t r = m0;
+      for (; r + kRowsPerPass <= m1; r += kRowsPerPass, pf = nullptr) pass<Q, kRowsPerPass>(a, g, h, r, pf);
+      switch (m1 - r) {
+        case 3: pass<Q, 3>(a, g, h, r, pf); break;
+        case 2: pass<Q, 2>(a, g, h, r, pf); break;
+        case 1: pass<Q, 1>(a, g, h, r, pf); break;
+        default: break;
+      }
+      pf = nullptr;
+    }
   }
 }
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  for (int64_t g = g0; g < g1; ++g) {
-    for (int h = 0; h < 2; ++h) {
-      if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
-      int64_t r = m0;
-      for (; r + kRowsPerPass <= m1; r += kRowsPerPass) pass<kRowsPerPass>(a, g, h, r);
-      if (r < m1) pass<1>(a, g, h, r);
-    }
+  if (a.qtype == QType::kQ4_1) {
+    gemm_typed<QType::kQ4_1>(a, g0, g1, m0, m1);
+  } else {
+    gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
   }
 }
 #endif

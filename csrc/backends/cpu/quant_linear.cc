@@ -11,12 +11,22 @@
 #include <mutex>
 #include <new>
 #include <string>
+#include <thread>
 
 #include "core/errors.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
 #include "scalar_convert.h"
 #include "thread_pool.h"
+
+#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
+#include <immintrin.h>
+#define PAGEDSERVE_CPU_RELAX() _mm_pause()
+#elif defined(__aarch64__)
+#define PAGEDSERVE_CPU_RELAX() asm volatile("yield")
+#else
+#define PAGEDSERVE_CPU_RELAX() std::this_thread::yield()
+#endif
 
 namespace pagedserve {
 namespace cpu {
@@ -66,7 +76,7 @@ std::atomic<const QuantIsaVariant*> g_active{nullptr};
 struct Scratch {
   std::vector<int8_t> xq;
   std::vector<float> xd, xs;
-  std::vector<int32_t> xsum;
+  std::vector<int32_t> xsum128;
 };
 
 }  // namespace
@@ -285,47 +295,70 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
   s.xq.resize(static_cast<size_t>(m * k_));
   s.xd.resize(static_cast<size_t>(m * nb));
   s.xs.resize(static_cast<size_t>(m * nb));
-  s.xsum.resize(static_cast<size_t>(m * nb));
+  s.xsum128.resize(static_cast<size_t>(m * nb));
 
   const int64_t passes = groups * nb * ((m + 3) / 4);
   std::shared_ptr<ThreadPool> pool;
   if (num_threads > 1 && passes >= kInlineTilePasses) pool = ThreadPool::get(num_threads);
 
-  // 1. quantise the activations (rows in parallel when there are many)
-  constexpr int64_t kQuantRowsPerItem = 16;
-  if (pool && m >= 2 * kQuantRowsPerItem) {
-    pool->run((m + kQuantRowsPerItem - 1) / kQuantRowsPerItem, [&](int64_t i, int) {
-      kernels.quantize_rows(x, dtype, k_, i * kQuantRowsPerItem, std::min(m, (i + 1) * kQuantRowsPerItem),
-                            s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data());
-    });
-  } else {
-    kernels.quantize_rows(x, dtype, k_, 0, m, s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data());
-  }
-
-  // 2. the integer GEMM, over (row-group range, activation-row range) items
   QuantGemmArgs a{};
   a.qtype = qtype_;
   a.w = tiles_.get();
   a.n = n_;
   a.k = k_;
   a.m = m;
-  a.x = QuantActivations{s.xq.data(), s.xd.data(), s.xsum.data(), s.xs.data()};
+  a.x = QuantActivations{s.xq.data(), s.xd.data(), s.xsum128.data(), s.xs.data()};
   a.bias = bias;
   a.out = out;
   a.out_dtype = dtype;
+  const auto quantize = [&](int64_t r0, int64_t r1) {
+    kernels.quantize_rows(x, dtype, k_, m, r0, r1, s.xq.data(), s.xd.data(), s.xsum128.data(), s.xs.data());
+  };
   if (!pool) {
+    quantize(0, m);
     kernels.gemm(a, 0, groups, 0, m);
     return;
   }
+  // One pool run: first the activation quantisation in row chunks (about two
+  // per thread, at least kMinQuantRows rows; fewer rows are quantised here
+  // before the run), then the GEMM items, each waiting until every chunk is
+  // quantised. The pool hands items out in index order, so every chunk is
+  // claimed by a running thread before any GEMM item waits: one hand-off and
+  // barrier per call instead of two.
+  constexpr int64_t kMinQuantRows = 4;
+  constexpr int kSpinsBeforeYield = 1 << 12;  // pause instructions: ~10-150 us
+  const int64_t threads = pool->num_threads();
+  const int64_t q_rows = std::max(kMinQuantRows, (m + 2 * threads - 1) / (2 * threads));
+  const int64_t q_items = m >= 2 * kMinQuantRows ? (m + q_rows - 1) / q_rows : 0;
+  if (q_items == 0) quantize(0, m);
+  std::atomic<int64_t> quantized{0};
+  // About kItemsPerThread items per thread for the pool's dynamic scheduling to
+  // even out (a busy core, a slow tail), the row groups split into near-equal
+  // ranges (sizes differ by at most one group; ceil-sized chunks cut a 36-group
+  // layer into 7 items of 5 and one of 1, which two threads can only split 20 : 16).
+  constexpr int64_t kItemsPerThread = 8;
   const int64_t m_chunk = m <= kRowsPerItem ? m : kRowsPerItem;
   const int64_t m_items = (m + m_chunk - 1) / m_chunk;
-  const int64_t target = 4 * static_cast<int64_t>(pool->num_threads());  // items to balance the threads
+  const int64_t target = kItemsPerThread * threads;
   const int64_t g_items = std::min(groups, std::max<int64_t>(1, (target + m_items - 1) / m_items));
-  const int64_t g_chunk = (groups + g_items - 1) / g_items;
-  const int64_t g_count = (groups + g_chunk - 1) / g_chunk;
-  pool->run(g_count * m_items, [&](int64_t i, int) {
-    const int64_t gi = i % g_count, mi = i / g_count;
-    kernels.gemm(a, gi * g_chunk, std::min(groups, (gi + 1) * g_chunk), mi * m_chunk,
+  pool->run(q_items + g_items * m_items, [&](int64_t i, int) {
+    if (i < q_items) {
+      quantize(i * q_rows, std::min(m, (i + 1) * q_rows));
+      quantized.fetch_add(1, std::memory_order_release);
+      return;
+    }
+    // the chunks in flight take microseconds; yield after a while in case their
+    // thread is not running (more threads than free cores)
+    for (int spins = 0; quantized.load(std::memory_order_acquire) < q_items; ++spins) {
+      if (spins < kSpinsBeforeYield) {
+        PAGEDSERVE_CPU_RELAX();
+      } else {
+        std::this_thread::yield();
+      }
+    }
+    i -= q_items;
+    const int64_t gi = i % g_items, mi = i / g_items;
+    kernels.gemm(a, gi * groups / g_items, (gi + 1) * groups / g_items, mi * m_chunk,
                  std::min(m, (mi + 1) * m_chunk));
   });
 }
