@@ -47,8 +47,10 @@ void write_token(const TensorArg& src, int64_t t, T* cache, int64_t slot, int64_
 }  // namespace
 
 int64_t kernel_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
-  const int64_t rows = group * kQueryChunk;
-  return rows * head_dim * 2 + rows * 2 + block_size + block_size * head_dim * 2;
+  // kernels.cc's carve_scratch: queries, accumulators, maxima, sums and per-lane
+  // sums of every row; one row's scores; a widened key and value tile
+  const int64_t rows = group * kQueryChunk, lanes = std::max<int64_t>(block_size, kTileKeys);
+  return rows * (head_dim * 2 + 2 + lanes) + block_size + lanes * head_dim * 2 + 16;  // + 16: 64-byte alignment
 }
 
 void reshape_and_cache(const TensorArg& key, const TensorArg& value, const TensorArg& k_cache,
@@ -213,10 +215,18 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
       pool_->run(n, fn);
     }
   };
-  dispatch(static_cast<int64_t>(items_.size()), [&](int64_t i, int worker) {
-    const int64_t ps = partial_slot_[i];
-    k.run_item(a, items_[i], scratch_[worker].data(), ps >= 0 ? partial_acc_.data() + ps * per_split : nullptr,
-               ps >= 0 ? partial_ml_.data() + ps * g_.group() : nullptr);
+  // runs of consecutive items, so a worker knows the item it runs next and
+  // prefetches its first KV blocks; about 8 runs per thread keep the threads balanced
+  const int64_t n_items = static_cast<int64_t>(items_.size());
+  const int64_t run_len = std::max<int64_t>(1, run_inline_ ? n_items : n_items / (8 * int64_t{pool_->num_threads()}));
+  dispatch((n_items + run_len - 1) / run_len, [&](int64_t c, int worker) {
+    const int64_t end = std::min(n_items, (c + 1) * run_len);
+    for (int64_t i = c * run_len; i < end; ++i) {
+      const int64_t ps = partial_slot_[i];
+      k.run_item(a, items_[i], i + 1 < end ? &items_[i + 1] : nullptr, scratch_[worker].data(),
+                 ps >= 0 ? partial_acc_.data() + ps * per_split : nullptr,
+                 ps >= 0 ? partial_ml_.data() + ps * g_.group() : nullptr);
+    }
   });
   dispatch(static_cast<int64_t>(split_groups_.size()), [&](int64_t i, int worker) {
     const SplitGroup& sg = split_groups_[i];

@@ -12,8 +12,10 @@
 // it. Work items are (sequence, KV head group, chunk of up to kQueryChunk query
 // tokens); when there are too few of them to keep the threads busy, long
 // decodes are split along the KV length and merged by log-sum-exp
-// (flash-decoding, Dao et al. 2023). Per worker the scratch is O(block_size *
-// head_dim + rows * head_dim), independent of the sequence length.
+// (flash-decoding, Dao et al. 2023). A worker runs runs of consecutive items,
+// so the kernel knows the next item and prefetches its first KV blocks. Per
+// worker the scratch is O(block_size * head_dim + rows * head_dim), independent
+// of the sequence length.
 #pragma once
 
 #include <cstddef>

@@ -21,6 +21,7 @@ namespace cpu {
 
 constexpr int kQueryChunk = 16;         // query tokens per work item
 constexpr int kMinBlocksPerSplit = 16;  // KV blocks a decode split covers at least
+constexpr int kTileKeys = 32;           // keys a tile step of kernels.cc covers at most (two blocks of 16)
 
 // One unit of work: sequence b, KV head hk, query tokens [q0, q1) of that
 // sequence (relative), KV blocks [j0, j1). split >= 0 marks a partial result
@@ -66,8 +67,10 @@ struct KernelTable {
   const char* isa;
   // Runs one work item; partial_acc [G*q_len, D] / partial_ml receive a split
   // item's unnormalised state (both nullptr for a whole item, written to out).
-  void (*run_item)(const KernelArgs& args, const WorkItem& item, float* scratch, float* partial_acc,
-                   Partial* partial_ml);
+  // next: the item the caller runs next on this thread, or nullptr; its first
+  // KV blocks are prefetched while this item's last ones are computed.
+  void (*run_item)(const KernelArgs& args, const WorkItem& item, const WorkItem* next, float* scratch,
+                   float* partial_acc, Partial* partial_ml);
   // Merges `splits` partial states of decode row group (b, hk) into out.
   void (*merge_splits)(const KernelArgs& args, int32_t b, int32_t hk, int32_t splits, const float* partial_acc,
                        const Partial* partial_ml, float* scratch);

@@ -8,6 +8,18 @@
 // FlashAttention, Dao et al. 2022), K/V read in place. Long decodes split
 // along the KV length are merged by log-sum-exp (flash-decoding, Dao et al. 2023).
 //
+// Block sizes 16 and 32 with head_dim 64 or 128 take the tile path: a work
+// item's G * q_len query rows (the query heads sharing a KV head, each of its
+// query tokens) go through each span of kTileKeys keys (two blocks of 16) in
+// tiles of several rows, so every key and value row is loaded once per tile
+// rather than once per row, and the tile's scores and accumulators stay in
+// vector registers with enough independent FMA chains to hide their latency;
+// the softmax sums are kept per key lane. The blocks the next tile step reads
+// (the next work item's first ones at an item's end) are prefetched meanwhile:
+// blocks sit anywhere in the pool, so the hardware prefetchers cannot guess
+// them. bfloat16 blocks are widened to float once per tile. Other shapes take
+// the generic path, one query row and one block at a time.
+//
 // Everything but the table getter has internal linkage and no standard-library
 // template is used, so no symbol compiled for one ISA can stand in for
 // another's (tests/cpp/check_isa_objects.cmake verifies the objects).
@@ -68,28 +80,34 @@ float block_max(const float* s, int n) {
   return m;
 }
 
+// exp(x), 0 below -87 (exp(-87) ~ 1.6e-38, near the smallest normal float);
+// x <= 88, NaN must not reach it. Range reduction to r in [-ln2/2, ln2/2] and a
+// degree-6 polynomial (Cephes expf; relative error ~2e-7), written so the loops
+// around it vectorise.
+inline float exp_poly(float x) {
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return underflow ? 0.f : p * scale;
+}
+
 // s[t] = exp(s[t] - m) for t < n (all s[t] <= m, finite); returns the sum.
-// exp by range reduction to r in [-ln2/2, ln2/2] and a degree-6 polynomial
-// (Cephes expf; relative error ~2e-7), written so the loop vectorises.
 float block_exp(float* s, int n, float m) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int t = 0; t < n; ++t) {
-    float x = s[t] - m;
-    x = x < -87.0f ? -87.0f : x;
-    const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
-    const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    s[t] = p * scale;
+    s[t] = exp_poly(s[t] - m);
     sum += s[t];
   }
   return sum;
@@ -118,42 +136,213 @@ inline float online_softmax_step(float* s, int n, float* m, float* l) {
   return alpha;
 }
 
-// One (query row, KV block) step with compile-time block_size BS and head_dim
-// D, so the scores and the accumulator stay in registers. Keys [lo, n) of the
-// block are visible (lo > 0 under a sliding window, n < BS at the causal edge).
-template <int BS, int D>
-void row_block_fixed(const float* q, const float* kt, const float* v, int lo, int n, float cap, float* m, float* l,
-                     float* acc) {
-  float s[BS];  // all BS lanes computed (finite cache contents), [lo, n) used
+// Floats in one vector register of the ISA this object is compiled for; it
+// only sizes the tiles below (the code itself is plain C++ the compiler
+// vectorises).
+#if defined(__AVX512F__)
+constexpr int kVecFloats = 16;
+#elif defined(__AVX__)
+constexpr int kVecFloats = 8;
+#else
+constexpr int kVecFloats = 4;  // SSE2, NEON
+#endif
+
+// Vector registers a tile step keeps its scores or accumulators in: 16 of
+// AVX-512's 32, 12 of the 16 of AVX2 and SSE2 (the rest hold the loaded keys
+// or values and the broadcast query or probability).
+constexpr int kAccRegs = kVecFloats >= 16 ? 16 : 12;
+// Tile shapes: a tile step (below) scores kKeys(BS) keys, NB = kKeys / BS
+// blocks, for up to kRows(BS) query rows at once.
+constexpr int kMaxTileKeys = kVecFloats >= 8 ? kTileKeys : kTileKeys / 2;  // <= kTileKeys (the scratch)
+constexpr int kKeys(int bs) { return bs < kMaxTileKeys ? kMaxTileKeys : bs; }
+constexpr int kRows(int bs) {
+  const int vecs = kKeys(bs) / kVecFloats;  // one row's score vectors
+  const int rows = vecs >= kAccRegs ? 1 : kAccRegs / vecs;
+  return rows < 8 ? rows : 8;
+}
+// How many tiles ahead a tile step prefetches KV blocks (1 measured best: 2
+// and 3 were slower on a 2-core AVX-512 Xeon, decode of 32 x 96 tokens).
+constexpr int kPrefetchTiles = 1;
+
+constexpr int pow2_floor(int x) { return x >= 2 ? 2 * pow2_floor(x / 2) : 1; }
+constexpr int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) { return bf16_to_float(x); }
+inline float from_float(float x, const float*) { return x; }
+inline bf16 from_float(float x, const bf16*) { return float_to_bf16(x); }
+
+// The scores s[r][t] = q[r] . k_t of a tile step (below) for the keys of its
+// first NBA of NB blocks (the others' lanes are set to 0: no row sees them);
+// prefetches the blocks pf names (nullptr: none) meanwhile.
+template <int BS, int D, int R, int NB, int NBA>
+void tile_scores(const float* q, const float* const* kt, const float* const* pf, float (*s)[NB * BS]) {
+  constexpr int KEYS = NB * BS;
+  constexpr int kVecs = R * (NBA * BS / kVecFloats >= 1 ? NBA * BS / kVecFloats : 1);  // score vectors
+  constexpr int KS = clamp_int(pow2_floor(12 / kVecs), 1, 8);
+  constexpr int kRowBytes = BS * static_cast<int>(sizeof(float));  // one key row (i) of a block
+  static_assert(D % KS == 0, "tile shape");
+  float part[KS][R][NBA * BS];
+  const char* next[2 * NB];  // local copies: the prefetches would make the compiler reload pf[b]
+  for (int b = 0; b < 2 * NB; ++b) next[b] = pf != nullptr ? reinterpret_cast<const char*>(pf[b]) : nullptr;
+  for (int i = 0; i < D; i += KS) {
+    for (int k = 0; k < KS; ++k) {
+      if (pf != nullptr && ((i + k) * kRowBytes) % 64 + kRowBytes >= 64) {
+        // as many 64-byte lines of each next block per step as this step reads
+        for (int b = 0; b < 2 * NB; ++b) {
+          for (int o = 0; o < kRowBytes; o += 64) __builtin_prefetch(next[b] + (i + k) * kRowBytes + o);
+        }
+      }
+      for (int b = 0; b < NBA; ++b) {
+        const float* krow = kt[b] + (i + k) * BS;
+        if (i == 0) {  // first step: assign (a zeroing loop would become a memset call)
 #pragma omp simd
-  for (int t = 0; t < BS; ++t) s[t] = 0.f;
-  for (int i = 0; i < D; ++i) {
-    const float qi = q[i];
+          for (int t = 0; t < BS; ++t) {
+            const float kv = krow[t];
+            for (int r = 0; r < R; ++r) part[k][r][b * BS + t] = q[r * D + k] * kv;
+          }
+          continue;
+        }
 #pragma omp simd
-    for (int t = 0; t < BS; ++t) s[t] += qi * kt[i * BS + t];
+        for (int t = 0; t < BS; ++t) {
+          const float kv = krow[t];
+          for (int r = 0; r < R; ++r) part[k][r][b * BS + t] += q[r * D + i + k] * kv;
+        }
+      }
+    }
   }
-  if (cap > 0.f) soft_cap(s + lo, n - lo, cap);
-  const float alpha = online_softmax_step(s + lo, n - lo, m, l);
-  float a[D];
+  for (int r = 0; r < R; ++r) {
 #pragma omp simd
-  for (int i = 0; i < D; ++i) a[i] = acc[i] * alpha;
-  for (int t = lo; t < n; ++t) {
-    const float pt = s[t];
-#pragma omp simd
-    for (int i = 0; i < D; ++i) a[i] += pt * v[t * D + i];
+    for (int t = 0; t < NBA * BS; ++t) {
+      float sum = part[0][r][t];
+      for (int k = 1; k < KS; ++k) sum += part[k][r][t];
+      s[r][t] = sum;
+    }
+    for (int t = NBA * BS; t < KEYS; ++t) s[r][t] = 0.f;
   }
-#pragma omp simd
-  for (int i = 0; i < D; ++i) acc[i] = a[i];
 }
 
-using RowBlockFn = void (*)(const float*, const float*, const float*, int, int, float, float*, float*, float*);
+// One tile step: R query rows against the KEYS = NB * BS keys of NB KV blocks
+// (compile-time block_size BS, head_dim D; NB * BS = kKeys(BS)), the
+// FlashAttention inner step for several rows at once. q, acc [R][D] and m [R]
+// are the rows' scaled queries, accumulators and running maxima; lsum [R][KEYS]
+// their running softmax sums, kept per key lane (summed once, at the end of
+// the item, so no step pays for a horizontal sum). kt[b] / v[b] are block b's
+// transposed keys [D][BS] and values [BS][D]. Row r sees keys [lo[r], n[r])
+// of the tile (lo > 0 under a sliding window, n < KEYS at the causal edge or
+// the end of the sequence) and is left unchanged when that range is empty;
+// keys outside it get probability 0 whatever the cache holds there.
+// pf: nullptr, or the NB key and NB value blocks read next, prefetched while
+// the scores are computed.
+//
+// Scores: each key row is loaded (and widened from bfloat16) once per step,
+// and every score vector has KS independent partial sums (over i mod KS), so
+// enough FMA chains are in flight. Softmax: the masked max, exp and sums run
+// across the lanes. PV: the accumulator is updated in column chunks of DC
+// floats held in registers, each value row loaded once per chunk.
+template <int BS, int D, int R>
+void tile_step(const float* q, const float* const* kt, const float* const* v, const int* lo, const int* n, float cap,
+               const float* const* pf, float* m, float* lsum, float* acc) {
+  constexpr int NB = kKeys(BS) / BS;
+  constexpr int KEYS = NB * BS;
+  constexpr int DC = clamp_int(pow2_floor(kAccRegs * kVecFloats / R), kVecFloats < D ? kVecFloats : D, D);
+  static_assert(D % DC == 0, "tile shape");
 
-// The specialised step for (block_size, head_dim), or nullptr (generic path).
-RowBlockFn fixed_row_block(int64_t bs, int64_t d) {
-  if (bs == 16 && d == 64) return &row_block_fixed<16, 64>;
-  if (bs == 16 && d == 128) return &row_block_fixed<16, 128>;
-  if (bs == 32 && d == 64) return &row_block_fixed<32, 64>;
-  if (bs == 32 && d == 128) return &row_block_fixed<32, 128>;
+  int kmin = KEYS, kmax = 0;  // the keys any row sees
+  for (int r = 0; r < R; ++r) {
+    if (n[r] <= lo[r]) continue;
+    kmin = lo[r] < kmin ? lo[r] : kmin;
+    kmax = n[r] > kmax ? n[r] : kmax;
+  }
+  float s[R][KEYS];
+  // the causal edge or the item's end can hide the last block from every row
+  if constexpr (NB > 1) {
+    if (kmax <= (NB - 1) * BS) {
+      tile_scores<BS, D, R, NB, NB - 1>(q, kt, pf, s);
+    } else {
+      tile_scores<BS, D, R, NB, NB>(q, kt, pf, s);
+    }
+  } else {
+    tile_scores<BS, D, R, NB, NB>(q, kt, pf, s);
+  }
+
+  // online softmax per row
+  float alpha[R];
+  float p[R][KEYS];
+  for (int r = 0; r < R; ++r) {
+    const int lr = lo[r], nr = n[r];
+    if (nr <= lr) {
+      alpha[r] = 1.f;
+      for (int t = 0; t < KEYS; ++t) p[r][t] = 0.f;
+      continue;
+    }
+    if (cap > 0.f) soft_cap(s[r] + lr, nr - lr, cap);
+    float bmax = -__builtin_inff();
+#pragma omp simd reduction(max : bmax)
+    for (int t = 0; t < KEYS; ++t) {
+      const float x = t >= lr && t < nr ? s[r][t] : -__builtin_inff();
+      bmax = x > bmax ? x : bmax;
+    }
+    const float m_old = m[r];
+    const float m_new = fmax2(m_old, bmax);
+    const float a = __builtin_isinf(m_old) ? 0.f : exp_poly(m_old - m_new);
+    float* lr_sum = lsum + r * KEYS;
+#pragma omp simd
+    for (int t = 0; t < KEYS; ++t) {
+      const float e = exp_poly(t >= lr && t < nr ? s[r][t] - m_new : -100.f);
+      p[r][t] = e;
+      lr_sum[t] = lr_sum[t] * a + e;
+    }
+    alpha[r] = a;
+    m[r] = m_new;
+  }
+  if (kmax <= kmin) return;
+
+  for (int c = 0; c < D; c += DC) {
+    float o[R][DC];
+    for (int r = 0; r < R; ++r) {
+      const float ar = alpha[r];
+#pragma omp simd
+      for (int i = 0; i < DC; ++i) o[r][i] = acc[r * D + c + i] * ar;
+    }
+    for (int b = 0; b < NB; ++b) {  // per block, so the value rows' addresses are affine in t
+      const int t0 = kmin > b * BS ? kmin - b * BS : 0;
+      const int t1 = kmax < (b + 1) * BS ? kmax - b * BS : BS;
+      for (int t = t0; t < t1; ++t) {
+        const float* vt = v[b] + t * D + c;
+        for (int r = 0; r < R; ++r) {
+          const float pt = p[r][b * BS + t];
+#pragma omp simd
+          for (int i = 0; i < DC; ++i) o[r][i] += pt * vt[i];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+#pragma omp simd
+      for (int i = 0; i < DC; ++i) acc[r * D + c + i] = o[r][i];
+    }
+  }
+}
+
+using TileFn = void (*)(const float*, const float* const*, const float* const*, const int*, const int*, float,
+                        const float* const*, float*, float*, float*);
+
+// The tile step for R = rows (1..kRows(BS)) query rows.
+template <int BS, int D, int R = 1>
+TileFn tile_for_rows(int rows) {
+  if constexpr (R > kRows(BS)) {
+    return nullptr;
+  } else {
+    return rows == R ? &tile_step<BS, D, R> : tile_for_rows<BS, D, R + 1>(rows);
+  }
+}
+
+// The specialised tile step for (block_size, head_dim, rows), or nullptr (generic path).
+TileFn fixed_tile(int64_t bs, int64_t d, int rows) {
+  if (bs == 16 && d == 64) return tile_for_rows<16, 64>(rows);
+  if (bs == 16 && d == 128) return tile_for_rows<16, 128>(rows);
+  if (bs == 32 && d == 64) return tile_for_rows<32, 64>(rows);
+  if (bs == 32 && d == 128) return tile_for_rows<32, 128>(rows);
   return nullptr;
 }
 
@@ -164,88 +353,238 @@ inline void prefetch_block(const T* p, int64_t n) {
   for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(c + off);
 }
 
+// Scratch of one work item (kernel_scratch_floats sizes it), 64-byte aligned.
+struct ItemScratch {
+  float* qf;    // [rows][d] scaled queries
+  float* acc;   // [rows][d] accumulators
+  float* lsum;  // [rows][lanes] running sums per key lane (tile path)
+  float* kf;    // [lanes * d] widened keys (bfloat16 caches)
+  float* vf;    // [lanes * d] widened values
+  float* m;     // [rows] running maxima
+  float* l;     // [rows] running sums
+  float* s;     // [bs] one row's scores (generic path)
+};
+
+ItemScratch carve_scratch(float* p, int64_t group, int64_t d, int64_t bs) {
+  const int64_t rows = group * kQueryChunk, lanes = bs > kTileKeys ? bs : kTileKeys;
+  ItemScratch sc;
+  sc.qf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~uintptr_t{63});
+  sc.acc = sc.qf + rows * d;
+  sc.lsum = sc.acc + rows * d;
+  sc.kf = sc.lsum + rows * lanes;
+  sc.vf = sc.kf + lanes * d;
+  sc.m = sc.vf + lanes * d;
+  sc.l = sc.m + rows;
+  sc.s = sc.l + rows;
+  return sc;
+}
+
+// Where work item `it` reads its KV head's block j (K or V cache).
 template <typename T>
-void run_item_typed(const KernelArgs& a, const WorkItem& it, float* scratch, float* partial_acc, Partial* partial_ml) {
-  const int64_t d = a.head_dim, bs = a.block_size, G = a.group;
-  const int64_t nq = it.q1 - it.q0, rows = G * nq;
-  const RowBlockFn fixed = fixed_row_block(bs, d);
-  const T* query = static_cast<const T*>(a.query);
+inline const T* block_at(const KernelArgs& a, const T* cache, const WorkItem& it, int64_t j) {
+  const int64_t block = a.block_tables[it.b * a.max_blocks + j];
+  return cache + (block * a.num_kv_heads + it.hk) * a.block_size * a.head_dim;
+}
+
+// The K and V blocks of the tile of item `it` starting at block j (NB blocks;
+// past the item's last block, repeats of block j, whose keys are masked).
+template <typename T, int NB>
+inline void tile_blocks(const KernelArgs& a, const WorkItem& it, int64_t j, const T** k, const T** v) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
-  float* qf = scratch;
-  float* acc = qf + G * kQueryChunk * d;
-  float* m = acc + G * kQueryChunk * d;
-  float* l = m + G * kQueryChunk;
-  float* s = l + G * kQueryChunk;
-  float* kf = s + bs;
-  float* vf = kf + bs * d;
-  const int64_t seq_len = a.seq_lens[it.b];
-  const int64_t q_start = a.query_start_loc[it.b];
-  const int64_t q_len = a.query_start_loc[it.b + 1] - q_start;
-  const int64_t first_pos = seq_len - q_len;  // position of query token 0
-  const int32_t* table = a.block_tables + it.b * a.max_blocks;
+  for (int b = 0; b < NB; ++b) {
+    const int64_t jb = j + b < it.j1 ? j + b : j;
+    k[b] = block_at(a, k_cache, it, jb);
+    v[b] = block_at(a, v_cache, it, jb);
+  }
+}
 
-  for (int64_t gi = 0; gi < G; ++gi) {
-    for (int64_t qi = 0; qi < nq; ++qi) {
-      const int64_t r = gi * nq + qi;
-      const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + gi;
-      load(query + tok * a.query_stride_token + head * a.query_stride_head, qf + r * d, d);
-      for (int64_t i = 0; i < d; ++i) qf[r * d + i] *= a.scale;
-      m[r] = -__builtin_inff();
-      l[r] = 0.f;
-      for (int64_t i = 0; i < d; ++i) acc[r * d + i] = 0.f;
+// dst[i] = src[i] for i < n (bfloat16 to float; n a multiple of 32), and a
+// prefetch of the first pf_n elements of pf_a and pf_b (either may be
+// nullptr) spread over the copy.
+inline void widen(const bf16* src, float* dst, int64_t n, const bf16* pf_a, const bf16* pf_b, int64_t pf_n) {
+  constexpr int kLine = 64 / sizeof(bf16);  // elements per 64-byte line
+  const int64_t end = n > pf_n ? n : pf_n;
+  for (int64_t c = 0; c < end; c += kLine) {
+    if (pf_a != nullptr && c < pf_n) __builtin_prefetch(pf_a + c);
+    if (pf_b != nullptr && c < pf_n) __builtin_prefetch(pf_b + c);
+    if (c >= n) continue;
+#pragma omp simd
+    for (int i = 0; i < kLine; ++i) dst[c + i] = bf16_to_float(src[c + i]);
+  }
+}
+
+// The tile path (block_size and head_dim with a specialised tile step): walks
+// the item's blocks NB at a time, each tile of kRows(BS) query rows in turn.
+// next: the item this worker runs next (or nullptr); its first blocks are
+// prefetched during this item's last tile.
+template <typename T, int BS>
+void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, const ItemScratch& sc,
+               int64_t first_pos, int64_t seq_len) {
+  constexpr int NB = kKeys(BS) / BS;
+  constexpr int KEYS = NB * BS;
+  constexpr int kTileRows = kRows(BS);
+  const int64_t d = a.head_dim, nq = it.q1 - it.q0, rows = a.group * nq;
+  const int64_t ntiles = (rows + kTileRows - 1) / kTileRows;
+  const TileFn full = fixed_tile(BS, d, static_cast<int>(imin(kTileRows, rows)));
+  const TileFn last = fixed_tile(BS, d, static_cast<int>(rows - (ntiles - 1) * kTileRows));
+  for (int64_t r = 0; r < rows * KEYS; ++r) sc.lsum[r] = 0.f;
+
+  for (int64_t j = it.j0; j < it.j1; j += NB) {
+    const T* kt[NB];
+    const T* vt[NB];
+    tile_blocks<T, NB>(a, it, j, kt, vt);
+    // blocks sit anywhere in the pool: fetch the next tile's (this item's or the next one's) while computing
+    const T* pf[2 * NB];
+    bool has_next = true;
+    {
+      // kPrefetchTiles tiles ahead, in this item's tiles and then the next item's
+      const int64_t ahead = (j - it.j0) / NB + kPrefetchTiles - (it.j1 - it.j0 + NB - 1) / NB;
+      if (ahead < 0) {
+        tile_blocks<T, NB>(a, it, j + kPrefetchTiles * NB, pf, pf + NB);
+      } else if (next != nullptr && next->j0 + ahead * NB < next->j1) {
+        tile_blocks<T, NB>(a, *next, next->j0 + ahead * NB, pf, pf + NB);
+      } else {
+        has_next = false;
+      }
+    }
+    // keys of this tile that exist and belong to the item
+    const int64_t n_valid = imin(imin(KEYS, seq_len - j * BS), (it.j1 - j) * BS);
+    const float* kf[NB];
+    const float* vf[NB];
+    const float* const* pf_tile = nullptr;  // what the first tile step prefetches
+    if constexpr (sizeof(T) == sizeof(float)) {
+      for (int b = 0; b < NB; ++b) {
+        kf[b] = reinterpret_cast<const float*>(kt[b]);
+        vf[b] = reinterpret_cast<const float*>(vt[b]);
+      }
+      if (has_next) pf_tile = reinterpret_cast<const float* const*>(pf);
+    } else {  // bfloat16: widen the blocks once for every tile step, prefetching the next ones meanwhile
+      for (int b = 0; b < NB; ++b) {
+        kf[b] = sc.kf + b * BS * d;
+        vf[b] = sc.vf + b * BS * d;
+        const int64_t nv = imin(BS, n_valid - b * BS);  // <= 0: a repeated block, never read
+        widen(kt[b], sc.kf + b * BS * d, nv > 0 ? BS * d : 0, has_next ? pf[b] : nullptr,
+              has_next ? pf[NB + b] : nullptr, BS * d);
+        widen(vt[b], sc.vf + b * BS * d, nv > 0 ? nv * d : 0, nullptr, nullptr, 0);
+      }
+    }
+    int64_t qi = 0;  // query token (within the item) of the next row
+    const float* const* pf_next = pf_tile;  // for the first tile step that runs
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int R = static_cast<int>(imin(kTileRows, rows - r0));
+      int lo[kTileRows], n[kTileRows];
+      bool any = false;
+      for (int k = 0; k < R; ++k) {
+        const int64_t qpos = first_pos + it.q0 + qi;
+        if (++qi == nq) qi = 0;
+        // causal: keys up to the query's own position; sliding window: keys at
+        // positions <= qpos - window are hidden
+        n[k] = static_cast<int>(a.causal ? imin(n_valid, qpos - j * BS + 1) : n_valid);
+        lo[k] = static_cast<int>(a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * BS) : 0);
+        any = any || n[k] > lo[k];
+      }
+      if (!any) continue;
+      (r0 + R == rows ? last : full)(sc.qf + r0 * d, kf, vf, lo, n, a.softcap, pf_next, sc.m + r0,
+                                     sc.lsum + r0 * KEYS, sc.acc + r0 * d);
+      pf_next = nullptr;
     }
   }
+  for (int64_t r = 0; r < rows; ++r) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < KEYS; ++t) sum += sc.lsum[r * KEYS + t];
+    sc.l[r] = sum;
+  }
+}
+
+// The generic path: one query row and one block at a time.
+template <typename T>
+void run_rows(const KernelArgs& a, const WorkItem& it, const ItemScratch& sc, int64_t first_pos, int64_t seq_len) {
+  const int64_t d = a.head_dim, bs = a.block_size, nq = it.q1 - it.q0, rows = a.group * nq;
+  const T* k_cache = static_cast<const T*>(a.k_cache);
+  const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int64_t j = it.j0; j < it.j1; ++j) {
-    const int64_t base = ((table[j] * a.num_kv_heads + it.hk) * bs) * d;
     if (j + 1 < it.j1) {  // blocks sit anywhere in the pool: fetch the next one while computing this one
-      const int64_t next = ((table[j + 1] * a.num_kv_heads + it.hk) * bs) * d;
-      prefetch_block(k_cache + next, bs * d);
-      prefetch_block(v_cache + next, bs * d);
+      prefetch_block(block_at(a, k_cache, it, j + 1), bs * d);
+      prefetch_block(block_at(a, v_cache, it, j + 1), bs * d);
     }
     const int64_t n_valid = imin(bs, seq_len - j * bs);
     const float* kb;
     const float* vb;
     if constexpr (sizeof(T) == sizeof(float)) {
-      kb = reinterpret_cast<const float*>(k_cache + base);
-      vb = reinterpret_cast<const float*>(v_cache + base);
+      kb = reinterpret_cast<const float*>(block_at(a, k_cache, it, j));
+      vb = reinterpret_cast<const float*>(block_at(a, v_cache, it, j));
     } else {  // bf16: widen the block once, reuse it for every row
-      load(k_cache + base, kf, bs * d);
-      load(v_cache + base, vf, n_valid * d);
-      kb = kf;
-      vb = vf;
+      load(block_at(a, k_cache, it, j), sc.kf, bs * d);
+      load(block_at(a, v_cache, it, j), sc.vf, n_valid * d);
+      kb = sc.kf;
+      vb = sc.vf;
     }
-    for (int64_t gi = 0; gi < G; ++gi) {
-      for (int64_t qi = 0; qi < nq; ++qi) {
-        const int64_t r = gi * nq + qi;
-        const int64_t qpos = first_pos + it.q0 + qi;
-        const int64_t n = a.causal ? imin(n_valid, qpos - j * bs + 1) : n_valid;
-        // sliding window: keys at positions <= qpos - window are hidden
-        const int64_t lo = a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * bs) : 0;
-        if (n <= lo) continue;
-        if (fixed != nullptr) {
-          fixed(qf + r * d, kb, vb, static_cast<int>(lo), static_cast<int>(n), a.softcap, m + r, l + r, acc + r * d);
-          continue;
-        }
-        block_scores(qf + r * d, kb, static_cast<int>(n), static_cast<int>(d), static_cast<int>(bs), s);
-        if (a.softcap > 0.f) soft_cap(s + lo, static_cast<int>(n - lo), a.softcap);
-        const float alpha = online_softmax_step(s + lo, static_cast<int>(n - lo), m + r, l + r);
-        block_accumulate(acc + r * d, alpha, s + lo, vb + lo * d, static_cast<int>(n - lo), static_cast<int>(d));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t qpos = first_pos + it.q0 + r % nq;
+      const int64_t n = a.causal ? imin(n_valid, qpos - j * bs + 1) : n_valid;
+      // sliding window: keys at positions <= qpos - window are hidden
+      const int64_t lo = a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * bs) : 0;
+      if (n <= lo) continue;
+      float* s = sc.s;
+      block_scores(sc.qf + r * d, kb, static_cast<int>(n), static_cast<int>(d), static_cast<int>(bs), s);
+      if (a.softcap > 0.f) soft_cap(s + lo, static_cast<int>(n - lo), a.softcap);
+      const float alpha = online_softmax_step(s + lo, static_cast<int>(n - lo), sc.m + r, sc.l + r);
+      block_accumulate(sc.acc + r * d, alpha, s + lo, vb + lo * d, static_cast<int>(n - lo), static_cast<int>(d));
+    }
+  }
+}
+
+template <typename T>
+void run_item_typed(const KernelArgs& a, const WorkItem& it, const WorkItem* next, float* scratch,
+                    float* partial_acc, Partial* partial_ml) {
+  const int64_t d = a.head_dim, bs = a.block_size, G = a.group;
+  const int64_t nq = it.q1 - it.q0, rows = G * nq;
+  const ItemScratch sc = carve_scratch(scratch, G, d, bs);
+  const T* query = static_cast<const T*>(a.query);
+  const int64_t seq_len = a.seq_lens[it.b];
+  const int64_t q_start = a.query_start_loc[it.b];
+  const int64_t q_len = a.query_start_loc[it.b + 1] - q_start;
+  const int64_t first_pos = seq_len - q_len;  // position of query token 0
+
+  for (int64_t gi = 0; gi < G; ++gi) {
+    for (int64_t qi = 0; qi < nq; ++qi) {
+      const int64_t r = gi * nq + qi;
+      const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + gi;
+      const T* src = query + tok * a.query_stride_token + head * a.query_stride_head;
+      float* qr = sc.qf + r * d;
+      float* acc = sc.acc + r * d;
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) {
+        qr[i] = to_float(src[i]) * a.scale;
+        acc[i] = 0.f;
       }
+      sc.m[r] = -__builtin_inff();
+      sc.l[r] = 0.f;
     }
   }
   T* out = static_cast<T*>(a.out);
+  if (bs == 16 && fixed_tile(bs, d, 1) != nullptr) {
+    run_tiles<T, 16>(a, it, next, sc, first_pos, seq_len);
+  } else if (bs == 32 && fixed_tile(bs, d, 1) != nullptr) {
+    run_tiles<T, 32>(a, it, next, sc, first_pos, seq_len);
+  } else {
+    run_rows<T>(a, it, sc, first_pos, seq_len);
+  }
+  float* acc = sc.acc;
   for (int64_t r = 0; r < rows; ++r) {
     if (partial_acc != nullptr) {  // unnormalised state, merged later
       for (int64_t i = 0; i < d; ++i) partial_acc[r * d + i] = acc[r * d + i];
-      partial_ml[r] = {m[r], l[r]};
+      partial_ml[r] = {sc.m[r], sc.l[r]};
       continue;
     }
-    const float inv = l[r] > 0.f ? 1.f / l[r] : 0.f;
-    for (int64_t i = 0; i < d; ++i) acc[r * d + i] *= inv;
+    const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
     const int64_t gi = r / nq, qi = r % nq;
     const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + gi;
-    store(acc + r * d, out + tok * a.out_stride_token + head * a.out_stride_head, d);
+    T* dst = out + tok * a.out_stride_token + head * a.out_stride_head;
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) dst[i] = from_float(acc[r * d + i] * inv, dst);
   }
 }
 
@@ -275,11 +614,12 @@ void merge_typed(const KernelArgs& a, int32_t b, int32_t hk, int32_t splits, con
   }
 }
 
-void run_item(const KernelArgs& a, const WorkItem& it, float* scratch, float* partial_acc, Partial* partial_ml) {
+void run_item(const KernelArgs& a, const WorkItem& it, const WorkItem* next, float* scratch, float* partial_acc,
+              Partial* partial_ml) {
   if (a.dtype == DType::kFloat32) {
-    run_item_typed<float>(a, it, scratch, partial_acc, partial_ml);
+    run_item_typed<float>(a, it, next, scratch, partial_acc, partial_ml);
   } else {
-    run_item_typed<bf16>(a, it, scratch, partial_acc, partial_ml);
+    run_item_typed<bf16>(a, it, next, scratch, partial_acc, partial_ml);
   }
 }
 
