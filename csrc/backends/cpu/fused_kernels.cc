@@ -41,25 +41,6 @@ inline void st(float v, bf16* p) { *p = float_to_bf16(v); }
 inline float rnd(float v, const float*) { return v; }
 inline float rnd(float v, const bf16*) { return ld(float_to_bf16(v)); }
 
-// exp(x) for x in [-88, 88] (callers clamp; NaN must not reach it): range
-// reduction to r in [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes expf,
-// relative error ~2e-7), written so that loops around it vectorise.
-inline float exp_poly(float x) {
-  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
 // silu(g) = g / (1 + exp(-g)), torch's formula. Where torch's exp(-g)
 // overflows to inf (-g > ln(FLT_MAX) = 88.7228) the result is g * 0, as
 // torch's g / inf (-0 for g < 0); exp's argument is clamped to [-88, 88]

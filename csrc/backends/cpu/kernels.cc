@@ -80,26 +80,12 @@ float block_max(const float* s, int n) {
   return m;
 }
 
-// exp(x), 0 below -87 (exp(-87) ~ 1.6e-38, near the smallest normal float);
-// x <= 88, NaN must not reach it. Range reduction to r in [-ln2/2, ln2/2] and a
-// degree-6 polynomial (Cephes expf; relative error ~2e-7), written so the loops
-// around it vectorise.
-inline float exp_poly(float x) {
+// exp(x) for x <= 0 (softmax arguments: a score minus the running max), 0 below
+// -87 (where float32's exp is subnormal or 0); scalar_convert.h's exp_poly
+// otherwise.
+inline float exp_or_zero(float x) {
   const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
-  float scale;
-  memcpy(&scale, &bits, sizeof scale);
-  return underflow ? 0.f : p * scale;
+  return underflow ? 0.f : exp_poly(underflow ? -87.0f : x);
 }
 
 // s[t] = exp(s[t] - m) for t < n (all s[t] <= m, finite); returns the sum.
@@ -107,7 +93,7 @@ float block_exp(float* s, int n, float m) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int t = 0; t < n; ++t) {
-    s[t] = exp_poly(s[t] - m);
+    s[t] = exp_or_zero(s[t] - m);
     sum += s[t];
   }
   return sum;
@@ -285,11 +271,11 @@ void tile_step(const float* q, const float* const* kt, const float* const* v, co
     }
     const float m_old = m[r];
     const float m_new = fmax2(m_old, bmax);
-    const float a = __builtin_isinf(m_old) ? 0.f : exp_poly(m_old - m_new);
+    const float a = __builtin_isinf(m_old) ? 0.f : exp_or_zero(m_old - m_new);
     float* lr_sum = lsum + r * KEYS;
 #pragma omp simd
     for (int t = 0; t < KEYS; ++t) {
-      const float e = exp_poly(t >= lr && t < nr ? s[r][t] - m_new : -100.f);
+      const float e = exp_or_zero(t >= lr && t < nr ? s[r][t] - m_new : -100.f);
       p[r][t] = e;
       lr_sum[t] = lr_sum[t] * a + e;
     }

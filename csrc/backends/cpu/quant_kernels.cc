@@ -67,6 +67,15 @@ inline uint16_t load_u16(const void* p) {
 
 // ---- activation quantisation (bit-identical in every variant) ----
 
+// The scales of activation block i (row r, k-block b: i = b * m + r) once its
+// int8 values, whose sum is `sum`, are stored: xd = d, xsum128 = -128 * sum
+// (the Q8_0 kernels' accumulator start), xs = d * sum (Q4_1's min term).
+inline void store_block_scales(int64_t i, float d, int32_t sum, float* xd, int32_t* xsum128, float* xs) {
+  xd[i] = d;
+  xsum128[i] = -128 * sum;
+  xs[i] = d * static_cast<float>(sum);
+}
+
 #if PAGEDSERVE_QISA_LEVEL == 0
 template <typename T>
 void quantize_rows_typed(const T* x, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq, float* xd,
@@ -101,9 +110,7 @@ void quantize_rows_typed(const T* x, int64_t k, int64_t m, int64_t r0, int64_t r
         q[i] = static_cast<int8_t>(qi);
         sum += qi;
       }
-      xd[b * m + r] = d;
-      xsum128[b * m + r] = -128 * sum;
-      xs[b * m + r] = d * static_cast<float>(sum);
+      store_block_scales(b * m + r, d, sum, xd, xsum128, xs);
     }
   }
 }
@@ -227,9 +234,7 @@ void quantize_rows_simd(const void* x, int64_t k, int64_t m, int64_t r0, int64_t
         qi[i] = trunc_i32(subf(addf(t, magic), magic));
       }
       const int32_t sum = store_q(xq + (b * m + r) * kQBlock, qi);
-      xd[b * m + r] = d;
-      xsum128[b * m + r] = -128 * sum;
-      xs[b * m + r] = d * static_cast<float>(sum);
+      store_block_scales(b * m + r, d, sum, xd, xsum128, xs);
     }
   }
 }

@@ -16,17 +16,9 @@
 #include "core/errors.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
+#include "cpu_relax.h"
 #include "scalar_convert.h"
 #include "thread_pool.h"
-
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <immintrin.h>
-#define PAGEDSERVE_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define PAGEDSERVE_CPU_RELAX() asm volatile("yield")
-#else
-#define PAGEDSERVE_CPU_RELAX() std::this_thread::yield()
-#endif
 
 namespace pagedserve {
 namespace cpu {

@@ -1,7 +1,8 @@
 // What the CPU backend's per-ISA translation units (kernels.cc,
 // fused_kernels.cc, quant_kernels.cc) and quant_linear.cc share: the
-// token-pasting macros that name each variant's table, and the scalar
-// conversions between float32 and bfloat16 / IEEE half.
+// token-pasting macros that name each variant's table, the scalar
+// conversions between float32 and bfloat16 / IEEE half, and exp_poly (an
+// exp written so that loops around it vectorise).
 //
 // The functions live in an unnamed namespace (internal linkage): each object
 // gets its own copy compiled for its own ISA, so the linker can never pick an
@@ -52,6 +53,25 @@ inline float half_to_float(uint16_t h) {
   }
   if (exp == 31) return bits_to_float(sign | 0x7F800000u | (man << 13));
   return bits_to_float(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+// exp(x) for x in [-88, 88] (callers clamp; NaN must not reach it): range
+// reduction to r in [-ln2/2, ln2/2] and a degree-6 polynomial (Cephes expf,
+// relative error ~2e-7), written so that loops around it vectorise.
+inline float exp_poly(float x) {
+  const float k = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round(x / ln2)
+  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;
+  float scale;
+  memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
 }
 
 }  // namespace

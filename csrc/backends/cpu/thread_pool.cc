@@ -5,15 +5,7 @@
 #include <system_error>
 
 #include "core/errors.h"
-
-#if defined(__x86_64__) || defined(_M_X64) || defined(__i386__)
-#include <immintrin.h>
-#define PAGEDSERVE_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define PAGEDSERVE_CPU_RELAX() asm volatile("yield")
-#else
-#define PAGEDSERVE_CPU_RELAX() std::this_thread::yield()
-#endif
+#include "cpu_relax.h"
 
 namespace pagedserve {
 namespace cpu {
