@@ -217,7 +217,11 @@ void tile_scores(const float* q, const float* const* kt, const float* const* pf,
 // transposed keys [D][BS] and values [BS][D]. Row r sees keys [lo[r], n[r])
 // of the tile (lo > 0 under a sliding window, n < KEYS at the causal edge or
 // the end of the sequence) and is left unchanged when that range is empty;
-// keys outside it get probability 0 whatever the cache holds there.
+// keys outside it get probability 0 whatever the cache holds there (slots past
+// the sequence's end are never read as values). The value update runs over the
+// union of the tile's rows' ranges, so a non-finite value row at a key one row
+// sees and another does not reaches the other as 0 * inf = NaN, as it does in
+// a dense masked softmax(QK^T) V; finite caches are unaffected.
 // pf: nullptr, or the NB key and NB value blocks read next, prefetched while
 // the scores are computed.
 //
