@@ -161,10 +161,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
     plots.require_writable(ap, args.plot)
 
-    # prefix caching off: --repeat sends the same prompts again (and the warm-up sends four of them), and a
-    # cache hit would skip prefill that static batching has to redo; the prompts share no prefix otherwise
     if args.dtype is None:
         args.dtype = "float32" if args.quantization == "none" else "auto"
+    # prefix caching off: --repeat sends the same prompts again (and the warm-up sends four of them), and a
+    # cache hit would skip prefill that static batching has to redo; the prompts share no prefix otherwise
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
               linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization,
               enable_prefix_caching=False)

@@ -27,6 +27,7 @@ import torch
 
 from .. import _core
 from .attention import ForwardContext
+from .linear import count_shapes
 
 # rope types whose frequencies do not depend on the sequence length (a table per position is exact)
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
@@ -67,13 +68,9 @@ def lean_linear_shapes(hf_model) -> list[tuple[int, int, bool, int]]:
     """The distinct linear shapes the lean forward runs — fused layers and the
     lm_head — as pagedserve.model.linear.linear_shapes gives them for a model:
     [(in_features, out_features, has_bias, count)], sorted."""
-    counts: dict[tuple[int, int, bool], int] = {}
     groups = [g for layer in hf_model.model.layers for g in fused_groups(layer).values()] + [[hf_model.lm_head]]
-    for group in groups:
-        key = (group[0].in_features, sum(lin.out_features for lin in group),
-               any(lin.bias is not None for lin in group))
-        counts[key] = counts.get(key, 0) + 1
-    return sorted((i, o, b, c) for (i, o, b), c in counts.items())
+    return count_shapes((group[0].in_features, sum(lin.out_features for lin in group),
+                         any(lin.bias is not None for lin in group)) for group in groups)
 
 
 class LeanLlamaLayer(torch.nn.Module):

@@ -139,16 +139,21 @@ class LinearChoice:
     cached: bool = False
 
 
+def count_shapes(shapes) -> list[tuple[int, int, bool, int]]:
+    """(in_features, out_features, has_bias) triples -> the distinct ones with how
+    many times each occurs: [(in, out, bias, count)], sorted."""
+    counts: dict[tuple[int, int, bool], int] = {}
+    for key in shapes:
+        counts[key] = counts.get(key, 0) + 1
+    return sorted((i, o, b, c) for (i, o, b), c in counts.items())
+
+
 def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int, bool, int]]:
     """The distinct (in_features, out_features, has_bias) of the model's plain
     nn.Linear layers, with how many layers have each: [(in, out, bias, count)],
     sorted."""
-    counts: dict[tuple[int, int, bool], int] = {}
-    for m in model.modules():
-        if type(m) is torch.nn.Linear:
-            key = (m.in_features, m.out_features, m.bias is not None)
-            counts[key] = counts.get(key, 0) + 1
-    return sorted((i, o, b, c) for (i, o, b), c in counts.items())
+    return count_shapes((m.in_features, m.out_features, m.bias is not None)
+                        for m in model.modules() if type(m) is torch.nn.Linear)
 
 
 def _machine_key(dtype: torch.dtype, shapes) -> str:
@@ -324,5 +329,5 @@ def describe(choice: LinearChoice) -> str:
 
 
 __all__ = ["LINEAR_IMPLS", "CHOOSER_ROWS", "OneDNNLinear", "LinearChoice", "choose_linear_impl", "describe",
-           "linear_shapes", "make_linear", "path_cases", "time_cases", "padded_rows", "swap_linears", "why_unavailable",
-           "cache_path"]
+           "count_shapes", "linear_shapes", "make_linear", "path_cases", "time_cases", "padded_rows", "swap_linears",
+           "why_unavailable", "cache_path"]
