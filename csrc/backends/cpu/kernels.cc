@@ -404,6 +404,14 @@ inline void widen(const bf16* src, float* dst, int64_t n, const bf16* pf_a, cons
   }
 }
 
+// The keys [*lo, *n) of the n_valid keys starting at position k0 that a query
+// at position qpos sees: causal, up to its own position; under a sliding
+// window, not those at positions <= qpos - window.
+inline void visible_keys(const KernelArgs& a, int64_t qpos, int64_t k0, int64_t n_valid, int64_t* lo, int64_t* n) {
+  *n = a.causal ? imin(n_valid, qpos - k0 + 1) : n_valid;
+  *lo = a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - k0) : 0;
+}
+
 // The tile path (block_size and head_dim with a specialised tile step): walks
 // the item's blocks NB at a time, each tile of kRows(BS) query rows in turn.
 // next: the item this worker runs next (or nullptr); its first blocks are
@@ -466,12 +474,11 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
       int lo[kTileRows], n[kTileRows];
       bool any = false;
       for (int k = 0; k < R; ++k) {
-        const int64_t qpos = first_pos + it.q0 + qi;
+        int64_t lo_k, n_k;
+        visible_keys(a, first_pos + it.q0 + qi, j * BS, n_valid, &lo_k, &n_k);
         if (++qi == nq) qi = 0;
-        // causal: keys up to the query's own position; sliding window: keys at
-        // positions <= qpos - window are hidden
-        n[k] = static_cast<int>(a.causal ? imin(n_valid, qpos - j * BS + 1) : n_valid);
-        lo[k] = static_cast<int>(a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * BS) : 0);
+        lo[k] = static_cast<int>(lo_k);
+        n[k] = static_cast<int>(n_k);
         any = any || n[k] > lo[k];
       }
       if (!any) continue;
@@ -512,10 +519,8 @@ void run_rows(const KernelArgs& a, const WorkItem& it, const ItemScratch& sc, in
       vb = sc.vf;
     }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t qpos = first_pos + it.q0 + r % nq;
-      const int64_t n = a.causal ? imin(n_valid, qpos - j * bs + 1) : n_valid;
-      // sliding window: keys at positions <= qpos - window are hidden
-      const int64_t lo = a.sliding_window > 0 ? imax(0, qpos - a.sliding_window + 1 - j * bs) : 0;
+      int64_t lo, n;
+      visible_keys(a, first_pos + it.q0 + r % nq, j * bs, n_valid, &lo, &n);
       if (n <= lo) continue;
       float* s = sc.s;
       block_scores(sc.qf + r * d, kb, static_cast<int>(n), static_cast<int>(d), static_cast<int>(bs), s);
