@@ -17,7 +17,13 @@ import inspect
 import torch
 
 from ..errors import BackendUnavailableError
+from ..mkl_vml import warm_up_mkl_vml
 from .backend import AttentionBackend, AttentionFeatures, Availability
+
+# Every torch path of the engine (model runner, attention backends) imports
+# this registry before its first step: settle oneMKL's lazy VML dispatch (see
+# pagedserve.mkl_vml) before any multi-threaded float op.
+warm_up_mkl_vml()
 
 _REGISTRY: dict[str, str | type[AttentionBackend]] = {
     "cpu": "pagedserve.kernels.cpu:CpuAttentionBackend",
