@@ -1,7 +1,8 @@
 // pybind11 bindings of the quantized linear kernels (quant_linear.h), added to
 // the submodule pagedserve._core.cpu through binding_registry.h:
 //   QuantizedWeight(raw, qtype, out_features, in_features)
-//     .dequantize(out), .linear(x, out, bias, num_threads), .nbytes, .qtype,
+//     .dequantize(out), .linear(x, out, bias, num_threads),
+//     .linear_f32(x, out, bias, num_threads), .nbytes, .qtype,
 //     .in_features, .out_features
 //   quant_kernel_isa(), quant_compiled_isas(), set_quant_kernel_isa(name)
 #include <pybind11/pybind11.h>
@@ -59,6 +60,21 @@ void bind_quant(py::module_& m) {
           "out [M, out_features] = x [M, in_features] @ W.T (+ bias float32 [out_features]); x and out float32 "
           "or bfloat16 (the same), contiguous; x quantised to int8 per row and 32-group (scale amax/127), integer "
           "block dots, float32 accumulation. num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def(
+          "linear_f32",
+          [](const QuantizedWeight& w, py::handle x, py::handle out, py::object bias, int num_threads) {
+            auto xa = tensor_arg(x, "x"), o = tensor_arg(out, "out");
+            std::optional<TensorArg> b;
+            if (!bias.is_none()) b = tensor_arg(bias, "bias");
+            py::gil_scoped_release release;
+            w.linear_f32(xa, o, b ? &*b : nullptr, num_threads);
+          },
+          py::arg("x"), py::arg("out"), py::arg("bias") = py::none(), py::arg("num_threads") = 1,
+          "out [M, out_features] = x [M, in_features] @ W.T (+ bias float32 [out_features]) in float32, W the "
+          "exactly dequantised weights (dequantize's float32 values, expanded from the blocks in registers: "
+          "lossless for weights whose float32 values are these); x and out float32, contiguous; x not quantised; "
+          "float32 accumulation along in_features in order, so the result does not depend on num_threads. "
+          "num_threads in [1, 1024]. Raises KernelArgumentError.")
       .def_property_readonly("nbytes", &QuantizedWeight::nbytes,
                              "Bytes of weight storage held (rows padded to a multiple of 16).")
       .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); })

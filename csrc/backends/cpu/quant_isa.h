@@ -65,6 +65,27 @@ struct QuantGemmArgs {
   DType out_dtype;
 };
 
+// Float32 activations for the exact float32 GEMM (gemm_f32), packed by
+// pack_x_f32 in tiles of kF32Rows rows so that one pointer addresses a tile's
+// rows for each k: rows 12 T .. 12 T + rt - 1 (rt = min(12, M - 12 T)) start at
+// xp + 12 T * K and hold x[12 T + i, k] at + k * rt + i.
+constexpr int kF32Rows = 12;
+
+// One gemm_f32 call: out [M, N] float32 (row stride N) = x . W^T (+ bias [N]
+// float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
+// values: Q4_1 d * q + m, Q8_0 d * q), accumulated in float32 along k in
+// order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
+// the product and the sum separately).
+struct QuantF32GemmArgs {
+  QType qtype;
+  const uint8_t* w;  // repacked tiles (layout above)
+  int64_t n, k;      // real N (unpadded) and K
+  int64_t m;
+  const float* xp;   // [M, K] packed by pack_x_f32
+  const float* bias;
+  float* out;
+};
+
 // One variant of the quantized kernels.
 struct QuantKernelTable {
   const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni"
@@ -77,6 +98,15 @@ struct QuantKernelTable {
   // Computes out rows [m0, m1) x row groups [g0, g1) (columns 16*g0 ..
   // min(N, 16*g1)).
   void (*gemm)(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+  // Copies rows [r0, r1) of x [M, K] float32 (contiguous; r0 a multiple of
+  // kF32Rows) into xp in the packed layout above.
+  void (*pack_x_f32)(const float* x, int64_t k, int64_t m, int64_t r0, int64_t r1, float* xp);
+  // Computes out rows [m0, m1) (m0 a multiple of kF32Rows) x row groups
+  // [g0, g1) of gemm_f32. scratch: 64-byte aligned room for K * 32 floats
+  // (the expanded weights of two row groups, reused by every row tile when
+  // [m0, m1) spans more than one). A row's result does not depend on m0, m1,
+  // g0, g1 or the thread.
+  void (*gemm_f32)(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
 };
 
 // One getter per compiled variant (defined in quant_kernels.cc under PAGEDSERVE_QISA).

@@ -261,6 +261,49 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
   }
 }
 
+// ---- the exact float32 GEMM (gemm_f32): float32 activations, weights expanded exactly ----
+//
+// The weights are expanded from the tiles to gguf-py's float32 values (Q4_1
+// d * q + m, Q8_0 d * q: quant_isa.h) and multiplied with the float32
+// activations, accumulated in float32 along k in order. The SIMD variants
+// hold vectors along N (lane j = row 16 g + j): element e of a block is byte
+// e % 4 (Q4_1: nibble e / 16) of every lane of one 64-byte qs row, so one
+// shift (or byte shuffle) and a conversion give the 16 rows' weights for that
+// k. Exactness: d (fp16: 11 significant bits) times q (Q4_1: 4 bits, Q8_0: 8)
+// is exact in float32 (at most 19 significant bits, no overflow or underflow
+// for any finite fp16 d), so round(d * q) = d * q and the single rounding of
+// fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
+// (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
+// Per (row, column) the accumulation is one chain acc = fma(x, w, acc) over
+// k = 0 .. K-1 (the scalar variant: acc + x * w, two roundings) in every
+// path, so a row's result does not depend on the tiling, the work split or
+// the thread count.
+
+// Packs rows [r0, r1) of x [m, k] into row tiles of kF32Rows (quant_isa.h).
+void pack_x_f32(const float* x, int64_t k, int64_t m, int64_t r0, int64_t r1, float* xp) {
+  for (int64_t t0 = r0; t0 < r1; t0 += kF32Rows) {
+    const int64_t rt = imin(kF32Rows, m - t0);
+    const float* src = x + t0 * k;
+    float* dst = xp + t0 * k;
+    if (rt == 1) {
+      memcpy(dst, src, static_cast<size_t>(k) * sizeof(float));
+      continue;
+    }
+    for (int64_t e0 = 0; e0 < k; e0 += kQBlock) {  // 32 columns at a time: rt source lines stay in L1
+      for (int64_t i = 0; i < rt; ++i) {
+        for (int64_t e = e0; e < e0 + kQBlock; ++e) dst[e * rt + i] = src[i * k + e];
+      }
+    }
+  }
+}
+
+// out[r, c0 + j] = acc[j] (+ bias) for j < min(16, N - c0).
+inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, const float* acc) {
+  const int64_t nv = imin(kQRows, a.n - c0);
+  float* o = a.out + r * a.n + c0;
+  for (int64_t j = 0; j < nv; ++j) o[j] = a.bias != nullptr ? acc[j] + a.bias[c0 + j] : acc[j];
+}
+
 #if PAGEDSERVE_QISA_LEVEL == 0
 // ---- scalar: the reference integer math, one row at a time ----
 
@@ -305,6 +348,55 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t r = m0; r < m1; ++r) gemm_group(a, g, r);
+  }
+}
+
+// ---- exact float32 GEMM, scalar: one row group and one row tile at a time ----
+
+// w[j] = the dequantised weight of row 16 g + j, element e of block b (gguf-py's
+// float32: the product and the sum rounded separately, -ffp-contract=off).
+void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float* w) {
+  const int64_t nb = a.k / kQBlock;
+  if (a.qtype == QType::kQ4_1) {
+    const uint8_t* t = a.w + (g * nb + b) * kQ41TileBytes;
+    const int p = (e & 15) >> 2, byte = e & 3;
+    for (int j = 0; j < kQRows; ++j) {
+      const uint8_t qs = t[64 + 64 * p + 4 * j + byte];
+      const float q = static_cast<float>(e < 16 ? qs & 0x0F : qs >> 4);
+      const float prod = half_to_float(load_u16(t + 2 * j)) * q;
+      w[j] = prod + half_to_float(load_u16(t + 32 + 2 * j));
+    }
+  } else {
+    const uint8_t* t = a.w + (g * nb + b) * kQ80TileBytes;
+    for (int j = 0; j < kQRows; ++j) {
+      const int8_t q = static_cast<int8_t>(t[32 + 64 * (e >> 2) + 4 * j + (e & 3)]);
+      w[j] = half_to_float(load_u16(t + 2 * j)) * static_cast<float>(q);
+    }
+  }
+}
+
+void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* /*scratch*/) {
+  const int64_t nb = a.k / kQBlock;
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
+      const int64_t rt = imin(kF32Rows, a.m - t0);
+      const float* xt = a.xp + t0 * a.k;
+      float acc[kF32Rows][kQRows];
+      for (auto& row : acc) {
+        for (float& v : row) v = 0.f;
+      }
+      for (int64_t b = 0; b < nb; ++b) {
+        for (int e = 0; e < kQBlock; ++e) {
+          float w[kQRows];
+          expand_scalar(a, g, b, e, w);
+          const float* xe = xt + (b * kQBlock + e) * rt;
+          for (int64_t i = 0; i < rt; ++i) {
+            for (int j = 0; j < kQRows; ++j) acc[i][j] = acc[i][j] + xe[i] * w[j];
+          }
+        }
+      }
+      for (int64_t i = 0; i < rt; ++i) write_out_f32(a, t0 + i, g * kQRows, acc[i]);
+    }
   }
 }
 
@@ -438,6 +530,204 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
     gemm_typed<QType::kQ4_1>(a, g0, g1, m0, m1);
   } else {
     gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
+  }
+}
+
+// ---- exact float32 GEMM, AVX-512: 16 rows per zmm, two row groups x up to 12 activation rows ----
+//
+// A pass holds 2 x R accumulators (R <= kF32Rows = 12: 24 of the 32 zmm) and
+// each expanded weight vector serves the R rows of the tile, the activation
+// an embedded-broadcast operand of the FMA. Per k and row group the expansion
+// costs a shift and a vpermps from the table 0.0 .. 15.0 (it reads the low 4
+// bits of each lane: the nibble, no mask) and the fma with d and m (Q4_1), or
+// a byte shuffle, a conversion and a multiply (Q8_0). A single tile of rows
+// expands in registers (direct); more rows first expand the two groups once
+// into scratch (K x 32 floats, L1 / L2), which every tile then streams.
+
+// The dequantised weights of element e (0..31) of the tile at t for its 16
+// rows: d, m the tile's scales (Q8_0: d * 2^-24).
+template <QType Q>
+inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, __m512 d, __m512 m) {
+  if constexpr (Q == QType::kQ4_1) {
+    const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
+    const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * p);
+    const __m512i idx = shift == 0 ? raw : _mm512_srli_epi32(raw, shift);
+    const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                                        14.f, 15.f);
+    return _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, table), d, m);  // exact d * q: one rounding either way
+  } else {
+    const int c = e >> 2, byte = e & 3;
+    const __m512i raw = _mm512_loadu_si512(t + 32 + 64 * c);
+    // byte `byte` of each dword to its top byte, the rest zero: q * 2^24 as int32
+    const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
+    const __m512i ctl = _mm512_add_epi32(_mm512_set1_epi32(top), _mm512_set_epi32(
+        12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24,
+        8 << 24, 4 << 24, 0));
+    (void)m;
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, ctl)), d);
+  }
+}
+
+// The tile's scales for expand16: d (Q8_0: d * 2^-24) and m (Q4_1; else zero).
+template <QType Q>
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m) {
+  *d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
+  if constexpr (Q == QType::kQ4_1) {
+    *m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
+  } else {
+    *d = _mm512_mul_ps(*d, _mm512_set1_ps(0x1p-24f));
+    *m = _mm512_setzero_ps();
+  }
+}
+
+// out[r, c0 + j] = v[j] (+ bias) for j < min(16, N - c0), masked at the right edge.
+inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m512 v) {
+  const int64_t nv = imin(kQRows, a.n - c0);
+  const __mmask16 mask = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : (1u << nv) - 1);
+  if (a.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + c0));
+  _mm512_mask_storeu_ps(a.out + r * a.n + c0, mask, v);
+}
+
+template <QType Q>
+constexpr int64_t tile_bytes_of() {
+  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+}
+
+// Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups).
+template <QType Q, int G>
+inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
+                                                          int64_t b) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int kLines = (kTile + 63) / 64;
+  const int64_t nb = a.k / kQBlock;
+  for (int gi = 0; gi < G; ++gi) {
+    if (pg + gi >= groups) break;
+    const char* p = reinterpret_cast<const char*>(a.w + ((pg + gi) * nb + b) * kTile);
+    for (int j = 0; j < kLines; ++j) _mm_prefetch(p + 64 * j, _MM_HINT_T0);
+  }
+}
+
+// Out rows t0 .. t0+R-1 (the whole row tile at t0) x row groups g .. g+G-1,
+// expanding in registers; prefetches the next G groups' tiles.
+template <QType Q, int G, int R>
+void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
+  const uint8_t* t = a.w + g * gstride;
+  const float* x = a.xp + t0 * a.k;  // x[t0 + i, k] at + k * R + i
+  __m512 acc[G][R];
+  for (int gi = 0; gi < G; ++gi) {
+    for (int i = 0; i < R; ++i) acc[gi][i] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < nb; ++b, t += kTile, x += kQBlock * R) {
+    prefetch_tiles<Q, G>(a, g + G, groups, b);
+    __m512 d[G], m[G];
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+#pragma GCC unroll 32
+    for (int e = 0; e < kQBlock; ++e) {
+      __m512 w[G];
+      for (int gi = 0; gi < G; ++gi) w[gi] = expand16<Q>(t + gi * gstride, e, d[gi], m[gi]);
+      for (int i = 0; i < R; ++i) {
+        const __m512 xv = _mm512_set1_ps(x[e * R + i]);
+        for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int gi = 0; gi < G; ++gi) store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+  }
+}
+
+// ws[k * 16 G + 16 gi + j] = the weight of row 16 (g + gi) + j, element k.
+template <QType Q, int G>
+void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
+  const uint8_t* t = a.w + g * gstride;
+  for (int64_t b = 0; b < nb; ++b, t += kTile, ws += kQBlock * 16 * G) {
+    prefetch_tiles<Q, G>(a, g + G, groups, b);
+    __m512 d[G], m[G];
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+#pragma GCC unroll 32
+    for (int e = 0; e < kQBlock; ++e) {
+      for (int gi = 0; gi < G; ++gi) _mm512_store_ps(ws + (e * G + gi) * 16, expand16<Q>(t + gi * gstride, e, d[gi], m[gi]));
+    }
+  }
+}
+
+// Out rows t0 .. t0+R-1 x row groups g .. g+G-1 from f32_expand's ws.
+template <int G, int R>
+void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws) {
+  const float* x = a.xp + t0 * a.k;
+  __m512 acc[G][R];
+  for (int gi = 0; gi < G; ++gi) {
+    for (int i = 0; i < R; ++i) acc[gi][i] = _mm512_setzero_ps();
+  }
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < a.k; ++k, ws += 16 * G, x += R) {
+    __m512 w[G];
+    for (int gi = 0; gi < G; ++gi) w[gi] = _mm512_load_ps(ws + 16 * gi);
+    for (int i = 0; i < R; ++i) {
+      const __m512 xv = _mm512_set1_ps(x[i]);
+      for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int gi = 0; gi < G; ++gi) store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+  }
+}
+
+template <QType Q, int G, int R>
+void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws) {
+  if (ws == nullptr) {
+    f32_direct<Q, G, R>(a, g, t0);
+  } else {
+    f32_from_scratch<G, R>(a, g, t0, ws);
+  }
+}
+
+// One row tile (rt = its row count, 1 .. 12) x groups g .. g+G-1; ws: nullptr
+// (expand in registers) or the groups' expanded weights.
+template <QType Q, int G>
+void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, const float* ws) {
+  switch (rt) {
+    case 1: f32_tile<Q, G, 1>(a, g, t0, ws); break;
+    case 2: f32_tile<Q, G, 2>(a, g, t0, ws); break;
+    case 3: f32_tile<Q, G, 3>(a, g, t0, ws); break;
+    case 4: f32_tile<Q, G, 4>(a, g, t0, ws); break;
+    case 5: f32_tile<Q, G, 5>(a, g, t0, ws); break;
+    case 6: f32_tile<Q, G, 6>(a, g, t0, ws); break;
+    case 7: f32_tile<Q, G, 7>(a, g, t0, ws); break;
+    case 8: f32_tile<Q, G, 8>(a, g, t0, ws); break;
+    case 9: f32_tile<Q, G, 9>(a, g, t0, ws); break;
+    case 10: f32_tile<Q, G, 10>(a, g, t0, ws); break;
+    case 11: f32_tile<Q, G, 11>(a, g, t0, ws); break;
+    default: f32_tile<Q, G, 12>(a, g, t0, ws); break;
+  }
+}
+
+template <QType Q, int G>
+void f32_groups(const QuantF32GemmArgs& a, int64_t g, int64_t m0, int64_t m1, float* scratch) {
+  if (m1 - m0 <= kF32Rows) {  // one tile: expand in registers
+    f32_tile_rows<Q, G>(a, g, m0, m1 - m0, nullptr);
+    return;
+  }
+  f32_expand<Q, G>(a, g, scratch);
+  for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) f32_tile_rows<Q, G>(a, g, t0, imin(kF32Rows, a.m - t0), scratch);
+}
+
+template <QType Q>
+void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
+  int64_t g = g0;
+  for (; g + 2 <= g1; g += 2) f32_groups<Q, 2>(a, g, m0, m1, scratch);
+  if (g < g1) f32_groups<Q, 1>(a, g, m0, m1, scratch);
+}
+
+void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
+  if (a.qtype == QType::kQ4_1) {
+    gemm_f32_typed<QType::kQ4_1>(a, g0, g1, m0, m1, scratch);
+  } else {
+    gemm_f32_typed<QType::kQ8_0>(a, g0, g1, m0, m1, scratch);
   }
 }
 
@@ -591,9 +881,168 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
     gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
   }
 }
+// ---- exact float32 GEMM, 256-bit (AVX2 + FMA): one row group (two ymm) x up to 6 activation rows ----
+//
+// 2 x R accumulators (R <= 6) of the 16 ymm; a 12-row tile of the packed
+// activations runs as two passes of up to 6 rows. Per k and half group the
+// expansion is a shift, a mask and a conversion then the fma with d and m
+// (Q4_1; vpermps would index only 8 entries), or a byte shuffle, a conversion
+// and a multiply (Q8_0). One pass of rows expands in registers; more rows
+// first expand the group once into scratch (K x 16 floats).
+
+template <QType Q>
+constexpr int64_t tile_bytes_of() {
+  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+}
+
+// The dequantised weights of element e of the tile at t for rows 8 h .. 8 h + 7
+// of its group; d, m that half's scales (Q8_0: d * 2^-24).
+template <QType Q>
+inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, int e, __m256 d, __m256 m) {
+  if constexpr (Q == QType::kQ4_1) {
+    const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
+    const __m256i q = shift == 28 ? _mm256_srli_epi32(raw, 28)
+                                  : _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);  // exact d * q: one rounding either way
+  } else {
+    const int c = e >> 2, byte = e & 3;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
+    const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
+    const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(top),
+                                         _mm256_set_epi32(12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0));
+    (void)m;
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(raw, ctl)), d);
+  }
+}
+
+template <QType Q>
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m) {
+  *d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
+  if constexpr (Q == QType::kQ4_1) {
+    *m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
+  } else {
+    *d = _mm256_mul_ps(*d, _mm256_set1_ps(0x1p-24f));
+    *m = _mm256_setzero_ps();
+  }
+}
+
+// out[r, c0 + j] = v[j] (+ bias) for j < min(8, N - c0).
+inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m256 v) {
+  if (c0 >= a.n) return;
+  if (a.n - c0 < 8) {
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, v);
+    for (int64_t j = 0; j < a.n - c0; ++j) a.out[r * a.n + c0 + j] = a.bias != nullptr ? buf[j] + a.bias[c0 + j] : buf[j];
+    return;
+  }
+  if (a.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + c0));
+  _mm256_storeu_ps(a.out + r * a.n + c0, v);
+}
+
+// Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 (rt rows) x row
+// group g; ws: nullptr (expand in registers) or f32_expand's weights.
+template <QType Q, int R>
+void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, int64_t i0, const float* ws) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int kLines = (kTile + 63) / 64;
+  const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
+  const uint8_t* t = a.w + g * nb * kTile;
+  const uint8_t* pf = g + 1 < groups ? t + nb * kTile : nullptr;
+  const float* x = a.xp + t0 * a.k + i0;  // x[t0 + i0 + i, k] at + k * rt + i
+  __m256 acc[2][R];
+  for (int h = 0; h < 2; ++h) {
+    for (int i = 0; i < R; ++i) acc[h][i] = _mm256_setzero_ps();
+  }
+  if (ws == nullptr) {
+    for (int64_t b = 0; b < nb; ++b, t += kTile) {
+      if (pf != nullptr) {
+        for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+        pf += kTile;
+      }
+      __m256 d[2], m[2];
+      for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+#pragma GCC unroll 32
+      for (int e = 0; e < kQBlock; ++e, x += rt) {
+        __m256 w[2];
+        for (int h = 0; h < 2; ++h) w[h] = expand8<Q>(t, h, e, d[h], m[h]);
+        for (int i = 0; i < R; ++i) {
+          const __m256 xv = _mm256_broadcast_ss(x + i);
+          for (int h = 0; h < 2; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], xv, acc[h][i]);
+        }
+      }
+    }
+  } else {
+#pragma GCC unroll 4
+    for (int64_t k = 0; k < a.k; ++k, ws += 16, x += rt) {
+      const __m256 w0 = _mm256_load_ps(ws), w1 = _mm256_load_ps(ws + 8);
+      for (int i = 0; i < R; ++i) {
+        const __m256 xv = _mm256_broadcast_ss(x + i);
+        acc[0][i] = _mm256_fmadd_ps(w0, xv, acc[0][i]);
+        acc[1][i] = _mm256_fmadd_ps(w1, xv, acc[1][i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int h = 0; h < 2; ++h) store_row_f32(a, t0 + i0 + i, g * kQRows + 8 * h, acc[h][i]);
+  }
+}
+
+// ws[16 k + 8 h + j] = the weight of row 16 g + 8 h + j, element k.
+template <QType Q>
+void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  const int64_t nb = a.k / kQBlock;
+  const uint8_t* t = a.w + g * nb * kTile;
+  for (int64_t b = 0; b < nb; ++b, t += kTile, ws += kQBlock * 16) {
+    __m256 d[2], m[2];
+    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+#pragma GCC unroll 32
+    for (int e = 0; e < kQBlock; ++e) {
+      for (int h = 0; h < 2; ++h) _mm256_store_ps(ws + 16 * e + 8 * h, expand8<Q>(t, h, e, d[h], m[h]));
+    }
+  }
+}
+
+template <QType Q>
+void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, int64_t i0, int64_t rows,
+              const float* ws) {
+  switch (rows) {
+    case 1: f32_pass<Q, 1>(a, g, t0, rt, i0, ws); break;
+    case 2: f32_pass<Q, 2>(a, g, t0, rt, i0, ws); break;
+    case 3: f32_pass<Q, 3>(a, g, t0, rt, i0, ws); break;
+    case 4: f32_pass<Q, 4>(a, g, t0, rt, i0, ws); break;
+    case 5: f32_pass<Q, 5>(a, g, t0, rt, i0, ws); break;
+    default: f32_pass<Q, 6>(a, g, t0, rt, i0, ws); break;
+  }
+}
+
+template <QType Q>
+void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
+  constexpr int64_t kPassRows = kF32Rows / 2;
+  for (int64_t g = g0; g < g1; ++g) {
+    const float* ws = nullptr;
+    if (m1 - m0 > kPassRows) {  // more than one pass: expand the group once
+      f32_expand<Q>(a, g, scratch);
+      ws = scratch;
+    }
+    for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
+      const int64_t rt = imin(kF32Rows, a.m - t0);
+      for (int64_t i0 = 0; i0 < rt; i0 += kPassRows) f32_rows<Q>(a, g, t0, rt, i0, imin(kPassRows, rt - i0), ws);
+    }
+  }
+}
+
+void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
+  if (a.qtype == QType::kQ4_1) {
+    gemm_f32_typed<QType::kQ4_1>(a, g0, g1, m0, m1, scratch);
+  } else {
+    gemm_f32_typed<QType::kQ8_0>(a, g0, g1, m0, m1, scratch);
+  }
+}
 #endif
 
-const QuantKernelTable kTable{PS_STR(PAGEDSERVE_QISA), &quantize_rows, &gemm};
+const QuantKernelTable kTable{PS_STR(PAGEDSERVE_QISA), &quantize_rows, &gemm, &pack_x_f32, &gemm_f32};
 
 }  // namespace
 

@@ -32,6 +32,11 @@ constexpr int kMaxLinearThreads = 1024;
 constexpr int64_t kInlineTilePasses = 512;
 constexpr int64_t kMaxDim = int64_t{1} << 31;
 constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is large
+// linear_f32: below this many multiply-adds (M x N x K) a call runs on the
+// calling thread (a 576 -> 576 GEMV, 0.33 M, takes ~10 us on one core).
+constexpr int64_t kInlineF32Macs = int64_t{1} << 21;
+// linear_f32: activation rows per work item when M is large (a multiple of kF32Rows).
+constexpr int64_t kF32RowsPerItem = 4 * kF32Rows;
 
 uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -69,6 +74,19 @@ struct Scratch {
   std::vector<int8_t> xq;
   std::vector<float> xd, xs;
   std::vector<int32_t> xsum128;
+};
+
+// linear_f32's buffers: the packed activations (the calling thread's, shared
+// with the workers of its call) and each thread's expanded-weight scratch.
+struct F32Scratch {
+  std::vector<float> xp;
+  std::vector<float> w;
+  // 64-byte aligned room for n floats in w
+  float* aligned_w(int64_t n) {
+    w.resize(static_cast<size_t>(n + 16));
+    const uintptr_t p = reinterpret_cast<uintptr_t>(w.data());
+    return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
+  }
 };
 
 }  // namespace
@@ -352,6 +370,76 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
     const int64_t gi = i % g_items, mi = i / g_items;
     kernels.gemm(a, gi * groups / g_items, (gi + 1) * groups / g_items, mi * m_chunk,
                  std::min(m, (mi + 1) * m_chunk));
+  });
+}
+
+void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
+                                 int num_threads) const {
+  x.check_dim(2);
+  x.check_dtype(DType::kFloat32);
+  const int64_t m = x.size(0);
+  x.check_shape({m, k_});
+  x.check_contiguous();
+  out.check_dtype(DType::kFloat32);
+  out.check_dim(2);
+  out.check_shape({m, n_});
+  out.check_contiguous();
+  out.check_no_overlap();
+  if (bias != nullptr) {
+    bias->check_dtype(DType::kFloat32);
+    bias->check_dim(1);
+    bias->check_shape({n_});
+    bias->check_contiguous();
+  }
+  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
+  if (m == 0) return;
+  linear_f32_raw(x.ptr<float>(), m, out.ptr<float>(), bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
+                 active_quant_isa().table());
+}
+
+void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, const float* bias, int num_threads,
+                                     const QuantKernelTable& kernels) const {
+  if (m <= 0) return;
+  const int64_t groups = (n_ + kQRows - 1) / kQRows;
+  // the calling thread's buffers, named through a local reference: the pool's
+  // workers must see its packed activations, and use their own scratch
+  thread_local F32Scratch tls;
+  F32Scratch& s = tls;
+  s.xp.resize(static_cast<size_t>(m * k_));
+  QuantF32GemmArgs a{};
+  a.qtype = qtype_;
+  a.w = tiles_.get();
+  a.n = n_;
+  a.k = k_;
+  a.m = m;
+  a.xp = s.xp.data();
+  a.bias = bias;
+  a.out = out;
+  const int64_t scratch_floats = k_ * 2 * kQRows;  // two row groups' expanded weights
+  kernels.pack_x_f32(x, k_, m, 0, m, s.xp.data());
+  if (num_threads == 1 || m * n_ * k_ < kInlineF32Macs) {
+    kernels.gemm_f32(a, 0, groups, 0, m, s.aligned_w(scratch_floats));
+    return;
+  }
+  std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);
+  // Items as in linear_raw (about kItemsPerThread per thread), N cut into
+  // near-equal ranges of row-group pairs (the AVX-512 kernel's unit), M into
+  // chunks of whole row tiles.
+  constexpr int64_t kItemsPerThread = 8;
+  const int64_t threads = pool->num_threads();
+  const int64_t pairs = (groups + 1) / 2;
+  const int64_t m_chunk = m <= 2 * kF32RowsPerItem ? m : kF32RowsPerItem;
+  const int64_t m_items = (m + m_chunk - 1) / m_chunk;
+  const int64_t target = kItemsPerThread * threads;
+  const int64_t g_items = std::min(pairs, std::max<int64_t>(1, (target + m_items - 1) / m_items));
+  pool->run(g_items * m_items, [&](int64_t i, int) {
+    thread_local F32Scratch worker;  // this thread's expanded-weight scratch
+    const int64_t gi = i % g_items, mi = i / g_items;
+    const int64_t g0 = 2 * (gi * pairs / g_items), g1 = std::min(groups, 2 * ((gi + 1) * pairs / g_items));
+    kernels.gemm_f32(a, g0, g1, mi * m_chunk, std::min(m, (mi + 1) * m_chunk), worker.aligned_w(scratch_floats));
   });
 }
 

@@ -91,6 +91,25 @@ class QuantizedWeight {
   // Throws KernelArgumentError (before writing anything).
   void linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
 
+  // out [M, N] = x [M, K] . W^T (+ bias [N]) in float32 with the exactly
+  // dequantised weights (dequantize's float32 values, expanded in registers
+  // from the tiles): a lossless float32 linear layer for weights whose float32
+  // values are these (the default model's). x and out float32, contiguous;
+  // bias float32 [N] contiguous or nullptr. x is not quantised; per output the
+  // sum over k runs in order, one float32 fused multiply-add per k (the scalar
+  // variant rounds the product and the sum separately), + bias last, so the
+  // result does not depend on num_threads or on the other rows of x. The work
+  // is split over N (pairs of row groups) and, for large M, over M, on
+  // num_threads (1 .. 1024) threads of the shared pool; small problems run on
+  // the calling thread. M may be 0 (nothing happens). Throws
+  // KernelArgumentError (before writing anything).
+  void linear_f32(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
+
+  // linear_f32 on raw pointers (checked by the caller): x [m, K], out [m, N]
+  // float32, bias [N] or nullptr, with the given variant's kernels.
+  void linear_f32_raw(const float* x, int64_t m, float* out, const float* bias, int num_threads,
+                      const QuantKernelTable& kernels) const;
+
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
   void linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias, int num_threads,
