@@ -398,6 +398,98 @@ TEST_P(QuantLinearVariant, ARowsResultDoesNotDependOnItsBatchOrThreads) {
   }
 }
 
+// linear_f32: out = x . W^T (+ bias) with W the exactly dequantised weights,
+// against a double-precision reference from dequantize's float32 output
+// (|error| <= 1e-5 * sum_k |x w| + 1e-6), for every M tiling (one row tile,
+// several, a partial last one, M split over work items), N not a multiple of
+// 16 or 32, and threads 1 and 2 bit-identical.
+TEST_P(QuantLinearVariant, LinearF32MatchesTheDequantisedWeightsInDouble) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    for (int64_t n : {16, 40, 960}) {
+      for (int64_t k : {32, 576}) {
+        std::vector<uint8_t> raw = random_blocks(q, n, k, rng, n == 40);
+        QuantizedWeight w(raw.data(), q, n, k);
+        std::vector<float> wd(n * k);
+        w.dequantize(arg(wd, {n, k}, DType::kFloat32, "out"));
+        std::vector<float> bias(n);
+        for (auto& v : bias) v = nd(rng);
+        auto b = arg(bias, {n}, DType::kFloat32, "bias");
+        for (int64_t m : {0, 1, 5, 12, 13, 32, 33, 100}) {
+          for (bool with_bias : {false, true}) {
+            SCOPED_TRACE(std::string(qtype_name(q)) + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                         " m=" + std::to_string(m) + " bias=" + std::to_string(with_bias));
+            std::vector<float> x(m * k), out1(m * n, NAN), out2(m * n, NAN);
+            for (auto& v : x) v = nd(rng);
+            w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(out1, {m, n}, DType::kFloat32, "out"),
+                         with_bias ? &b : nullptr, 1);
+            w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(out2, {m, n}, DType::kFloat32, "out"),
+                         with_bias ? &b : nullptr, 2);
+            ASSERT_EQ(std::memcmp(out1.data(), out2.data(), out1.size() * 4), 0) << "threads 1 vs 2";
+            int bad = 0;
+            for (int64_t i = 0; i < m && bad < 5; ++i) {
+              for (int64_t j = 0; j < n && bad < 5; ++j) {
+                double want = with_bias ? bias[j] : 0.0, scale = 0.0;
+                for (int64_t e = 0; e < k; ++e) {
+                  const double t = static_cast<double>(x[i * k + e]) * wd[j * k + e];
+                  want += t;
+                  scale += std::fabs(t);
+                }
+                const double got = out1[i * n + j], tol = 1e-5 * scale + 1e-6;
+                if (!(std::fabs(got - want) <= tol)) {
+                  ADD_FAILURE() << "[" << i << ", " << j << "]: got " << got << " want " << want << " tol " << tol;
+                  ++bad;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
+// The expanded weights are exact: x = one-hot rows (row i selects column i of
+// W^T) gives the dequantised weight bit for bit (plus the bias: one float add).
+TEST_P(QuantLinearVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(37);
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    for (bool extreme : {false, true}) {
+      const int64_t n = 40, k = 64, m = k;  // every k once; M = 64: several row tiles
+      std::vector<uint8_t> raw = random_blocks(q, n, k, rng, extreme);
+      const uint16_t sub = 0x0003, negzero = 0x8000;  // a subnormal and a negative zero scale
+      std::memcpy(raw.data(), &sub, 2);
+      std::memcpy(raw.data() + block_bytes(q) * (k / 32), &negzero, 2);
+      QuantizedWeight w(raw.data(), q, n, k);
+      std::vector<float> x(m * k, 0.f), bias(n), out(m * n, NAN), outb(m * n, NAN);
+      for (int64_t i = 0; i < m; ++i) x[i * k + i] = 1.f;
+      std::normal_distribution<float> nd(0.f, 1.f);
+      for (auto& v : bias) v = nd(rng);
+      auto b = arg(bias, {n}, DType::kFloat32, "bias");
+      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(out, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(outb, {m, n}, DType::kFloat32, "out"), &b, 1);
+      // one row at a time too (the in-register expansion path of a single row tile). Values compare
+      // with ==: bit for bit but for the sign of a zero weight (a float sum from +0 is +0)
+      std::vector<float> one(n, NAN);
+      for (int64_t i = 0; i < m; ++i) {
+        std::vector<float> xi(x.begin() + i * k, x.begin() + (i + 1) * k);
+        w.linear_f32(arg(xi, {1, k}, DType::kFloat32, "x"), arg(one, {1, n}, DType::kFloat32, "out"), nullptr, 1);
+        for (int64_t j = 0; j < n; ++j) {
+          const float want = weight_at(raw, q, k, j, i), wantb = want + bias[j];
+          ASSERT_EQ(out[i * n + j], want) << qtype_name(q) << " [" << i << ", " << j << "]";
+          ASSERT_EQ(one[j], want) << qtype_name(q) << " row alone [" << i << ", " << j << "]";
+          ASSERT_EQ(outb[i * n + j], wantb) << qtype_name(q) << " bias [" << i << ", " << j << "]";
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,
                          ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
@@ -477,6 +569,27 @@ TEST(QuantLinear, BadArgumentsRaiseKernelArgumentError) {
   EXPECT_THROW(w.linear(X, O, &Bb, 1), KernelArgumentError);
   EXPECT_THROW(w.linear(X, O, nullptr, 0), KernelArgumentError);
   EXPECT_THROW(w.linear(X, O, nullptr, 100000), KernelArgumentError);
+  // linear_f32: float32 only, the same shape / layout / bias / thread checks
+  EXPECT_NO_THROW(w.linear_f32(X, O, &B, 2));
+  EXPECT_THROW(w.linear_f32(arg(xb, {m, k}, DType::kBFloat16, "x"), arg(outb, {m, n}, DType::kBFloat16, "out"),
+                            nullptr, 1),
+               KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(arg(xb, {m, k}, DType::kBFloat16, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, arg(outb, {m, n}, DType::kBFloat16, "out"), nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(arg(x, {m * 2, k / 2}, DType::kFloat32, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(arg(x, {m * k}, DType::kFloat32, "x"), O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, arg(wide, {m, n + 1}, DType::kFloat32, "out"), nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, Ot, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, Ob, nullptr, 1), KernelArgumentError);
+  auto Xt = X;
+  Xt.strides = {1, m};  // a transposed view: the right shape, not contiguous
+  EXPECT_THROW(w.linear_f32(Xt, O, nullptr, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, O, &Bs, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, O, &Bb, 1), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, O, nullptr, 0), KernelArgumentError);
+  EXPECT_THROW(w.linear_f32(X, O, nullptr, 100000), KernelArgumentError);
+  EXPECT_NO_THROW(w.linear_f32(arg(x, {0, k}, DType::kFloat32, "x"), arg(out, {0, n}, DType::kFloat32, "out"),
+                               nullptr, 1));
   std::vector<float> d(n * k);
   EXPECT_THROW(w.dequantize(arg(d, {n, k - 32}, DType::kFloat32, "out")), KernelArgumentError);
   EXPECT_THROW(w.dequantize(arg(xb, {m, k}, DType::kBFloat16, "out")), KernelArgumentError);
