@@ -4,7 +4,7 @@ float32 activations and accumulation) against torch's F.linear on the dense
 dequantised float32 weight, on SmolLM2-135M's linear shapes (fused qkv,
 o_proj, fused gate_up, down_proj: Q4_1; lm_head: Q8_0).
 
-    python bench/quant_linear_f32.py [--threads 2] [--ms 60] [--rounds 7] [--m 1,8,32,128]
+    python bench/quant_linear_f32.py [--threads 2] [--ms 60] [--rounds 7] [--m 1,8,32,128] [--spin-us 100]
 
 Weights are random, quantised with gguf-py; torch's weight is their
 dequantisation (the same float32 values). Each cell is the best over --rounds
@@ -12,7 +12,9 @@ rounds of the mean time per call within a round (each round runs both
 implementations for about --ms milliseconds, in turn). Prints ms per call,
 GFLOP/s (2 M N K per call) and torch / ours (> 1: ours is faster), then the
 sum over one SmolLM2 decoder pass (30 layers x [qkv, o, gate_up, down] +
-lm_head) per M. A checkout-only script (not under ``pagedserve bench``).
+lm_head) per M. Our pool's workers poll --spin-us microseconds before they
+sleep (the engine's setting on the quantised path; torch's OpenMP threads
+spin too). A checkout-only script (not under ``pagedserve bench``).
 """
 from __future__ import annotations
 
@@ -45,16 +47,22 @@ def main() -> None:
     ap.add_argument("--ms", type=float, default=60.0, help="time budget per implementation per round")
     ap.add_argument("--rounds", type=int, default=7, help="rounds; each cell is their best (default %(default)s)")
     ap.add_argument("--m", default="1,8,32,128", help="batch rows (tokens) per call")
+    ap.add_argument("--spin-us", type=int, default=None,
+                    help="set_thread_pool_spin_us (default: the engine's quantised-path value)")
     args = ap.parse_args()
 
     from pagedserve import _core
     from pagedserve.model.quantization import dequantize_rows, quantize_rows
 
+    from pagedserve.model.prepare import QUANTIZED_POOL_SPIN_US
+
     cpu = _core.cpu
+    spin = QUANTIZED_POOL_SPIN_US if args.spin_us is None else args.spin_us
+    cpu.set_thread_pool_spin_us(spin)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ms = [int(v) for v in args.m.split(",")]
-    print(f"threads={args.threads}  quant kernel={cpu.quant_kernel_isa()}  torch {torch.__version__}  "
+    print(f"threads={args.threads}  spin_us={spin}  quant kernel={cpu.quant_kernel_isa()}  torch {torch.__version__}  "
           f"ms per call (best of {args.rounds} rounds)")
     print(f"{'shape':>8} {'K->N':>11} {'M':>4} {'f32 ms':>8} {'GF/s':>6} {'torch ms':>9} {'GF/s':>6} {'torch/f32':>9}")
     totals = {m: [0.0, 0.0, 0.0] for m in ms}  # ours ms, torch ms, flops

@@ -33,8 +33,11 @@ constexpr int64_t kInlineTilePasses = 512;
 constexpr int64_t kMaxDim = int64_t{1} << 31;
 constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is large
 // linear_f32: below this many multiply-adds (M x N x K) a call runs on the
-// calling thread (a 576 -> 576 GEMV, 0.33 M, takes ~10 us on one core).
+// calling thread: waking sleeping workers costs ~40 us on a 2-core VM (a
+// 576 -> 3072 GEMV, 1.8 M, takes ~65 us on one core), polling ones
+// (ThreadPool::set_spin_micros) a few.
 constexpr int64_t kInlineF32Macs = int64_t{1} << 21;
+constexpr int64_t kInlineF32MacsSpinning = int64_t{1} << 17;
 // linear_f32: activation rows per work item when M is large (a multiple of kF32Rows).
 constexpr int64_t kF32RowsPerItem = 4 * kF32Rows;
 
@@ -420,7 +423,8 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
   a.out = out;
   const int64_t scratch_floats = k_ * 2 * kQRows;  // two row groups' expanded weights
   kernels.pack_x_f32(x, k_, m, 0, m, s.xp.data());
-  if (num_threads == 1 || m * n_ * k_ < kInlineF32Macs) {
+  const int64_t inline_macs = ThreadPool::spin_micros() > 0 ? kInlineF32MacsSpinning : kInlineF32Macs;
+  if (num_threads == 1 || m * n_ * k_ < inline_macs) {
     kernels.gemm_f32(a, 0, groups, 0, m, s.aligned_w(scratch_floats));
     return;
   }
