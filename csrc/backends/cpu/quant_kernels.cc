@@ -542,7 +542,8 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // bits of each lane: the nibble, no mask) and the fma with d and m (Q4_1), or
 // a byte shuffle, a conversion and a multiply (Q8_0). A single tile of rows
 // expands in registers (direct); more rows first expand the two groups once
-// into scratch (K x 32 floats, L1 / L2), which every tile then streams.
+// into scratch, 128 k at a time (16 KB: L1), which every tile then streams,
+// keeping its partial sums in out between the K ranges.
 
 // The dequantised weights of element e (0..31) of the tile at t for its 16
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
@@ -638,13 +639,14 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   }
 }
 
-// ws[k * 16 G + 16 gi + j] = the weight of row 16 (g + gi) + j, element k.
+// ws[(k - 32 b0) * 16 G + 16 gi + j] = the weight of row 16 (g + gi) + j,
+// element k, for the blocks [b0, b1).
 template <QType Q, int G>
-void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
+void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, float* ws) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
-  const uint8_t* t = a.w + g * gstride;
-  for (int64_t b = 0; b < nb; ++b, t += kTile, ws += kQBlock * 16 * G) {
+  const uint8_t* t = a.w + g * gstride + b0 * kTile;
+  for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
     prefetch_tiles<Q, G>(a, g + G, groups, b);
     __m512 d[G], m[G];
     for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
@@ -655,16 +657,26 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
   }
 }
 
-// Out rows t0 .. t0+R-1 x row groups g .. g+G-1 from f32_expand's ws.
+// Out rows t0 .. t0+R-1 x row groups g .. g+G-1, the elements [k0, k1) of the
+// sums from f32_expand's ws (the same blocks): the accumulators start at zero
+// (k0 = 0) or at the partial sums stored in out by the previous range, and
+// are stored back as they are, or + bias when k1 = K (the float steps of a
+// single pass over K: a float32 store and load are exact).
 template <int G, int R>
-void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws) {
-  const float* x = a.xp + t0 * a.k;
+void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws, int64_t k0, int64_t k1) {
+  const float* x = a.xp + t0 * a.k + k0 * R;
   __m512 acc[G][R];
+  __mmask16 mask[G];
   for (int gi = 0; gi < G; ++gi) {
-    for (int i = 0; i < R; ++i) acc[gi][i] = _mm512_setzero_ps();
+    const int64_t nv = imin(kQRows, a.n - (g + gi) * kQRows);
+    mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
+    for (int i = 0; i < R; ++i) {
+      acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
+                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.n + (g + gi) * kQRows);
+    }
   }
 #pragma GCC unroll 4
-  for (int64_t k = 0; k < a.k; ++k, ws += 16 * G, x += R) {
+  for (int64_t k = k0; k < k1; ++k, ws += 16 * G, x += R) {
     __m512 w[G];
     for (int gi = 0; gi < G; ++gi) w[gi] = _mm512_load_ps(ws + 16 * gi);
     for (int i = 0; i < R; ++i) {
@@ -673,47 +685,65 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
     }
   }
   for (int i = 0; i < R; ++i) {
-    for (int gi = 0; gi < G; ++gi) store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+    for (int gi = 0; gi < G; ++gi) {
+      if (k1 == a.k) {
+        store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+      } else {
+        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.n + (g + gi) * kQRows, mask[gi], acc[gi][i]);
+      }
+    }
   }
 }
 
 template <QType Q, int G, int R>
-void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws) {
+void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws, int64_t k0, int64_t k1) {
   if (ws == nullptr) {
     f32_direct<Q, G, R>(a, g, t0);
   } else {
-    f32_from_scratch<G, R>(a, g, t0, ws);
+    f32_from_scratch<G, R>(a, g, t0, ws, k0, k1);
   }
 }
 
 // One row tile (rt = its row count, 1 .. 12) x groups g .. g+G-1; ws: nullptr
-// (expand in registers) or the groups' expanded weights.
+// (expand in registers, all of K) or the groups' expanded weights of [k0, k1).
 template <QType Q, int G>
-void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, const float* ws) {
+void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, const float* ws, int64_t k0,
+                   int64_t k1) {
   switch (rt) {
-    case 1: f32_tile<Q, G, 1>(a, g, t0, ws); break;
-    case 2: f32_tile<Q, G, 2>(a, g, t0, ws); break;
-    case 3: f32_tile<Q, G, 3>(a, g, t0, ws); break;
-    case 4: f32_tile<Q, G, 4>(a, g, t0, ws); break;
-    case 5: f32_tile<Q, G, 5>(a, g, t0, ws); break;
-    case 6: f32_tile<Q, G, 6>(a, g, t0, ws); break;
-    case 7: f32_tile<Q, G, 7>(a, g, t0, ws); break;
-    case 8: f32_tile<Q, G, 8>(a, g, t0, ws); break;
-    case 9: f32_tile<Q, G, 9>(a, g, t0, ws); break;
-    case 10: f32_tile<Q, G, 10>(a, g, t0, ws); break;
-    case 11: f32_tile<Q, G, 11>(a, g, t0, ws); break;
-    default: f32_tile<Q, G, 12>(a, g, t0, ws); break;
+    case 1: f32_tile<Q, G, 1>(a, g, t0, ws, k0, k1); break;
+    case 2: f32_tile<Q, G, 2>(a, g, t0, ws, k0, k1); break;
+    case 3: f32_tile<Q, G, 3>(a, g, t0, ws, k0, k1); break;
+    case 4: f32_tile<Q, G, 4>(a, g, t0, ws, k0, k1); break;
+    case 5: f32_tile<Q, G, 5>(a, g, t0, ws, k0, k1); break;
+    case 6: f32_tile<Q, G, 6>(a, g, t0, ws, k0, k1); break;
+    case 7: f32_tile<Q, G, 7>(a, g, t0, ws, k0, k1); break;
+    case 8: f32_tile<Q, G, 8>(a, g, t0, ws, k0, k1); break;
+    case 9: f32_tile<Q, G, 9>(a, g, t0, ws, k0, k1); break;
+    case 10: f32_tile<Q, G, 10>(a, g, t0, ws, k0, k1); break;
+    case 11: f32_tile<Q, G, 11>(a, g, t0, ws, k0, k1); break;
+    default: f32_tile<Q, G, 12>(a, g, t0, ws, k0, k1); break;
   }
 }
+
+// Blocks per K range of the scratch path: the range's expanded weights (16 KB
+// for two groups) and activations (512 bytes per row) stay in L1 while every
+// row tile runs over them.
+constexpr int64_t kF32ChunkBlocks = 4;
 
 template <QType Q, int G>
 void f32_groups(const QuantF32GemmArgs& a, int64_t g, int64_t m0, int64_t m1, float* scratch) {
   if (m1 - m0 <= kF32Rows) {  // one tile: expand in registers
-    f32_tile_rows<Q, G>(a, g, m0, m1 - m0, nullptr);
+    f32_tile_rows<Q, G>(a, g, m0, m1 - m0, nullptr, 0, a.k);
     return;
   }
-  f32_expand<Q, G>(a, g, scratch);
-  for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) f32_tile_rows<Q, G>(a, g, t0, imin(kF32Rows, a.m - t0), scratch);
+  const int64_t nb = a.k / kQBlock;
+  for (int64_t b0 = 0; b0 < nb; b0 += kF32ChunkBlocks) {
+    const int64_t b1 = imin(nb, b0 + kF32ChunkBlocks);
+    f32_expand<Q, G>(a, g, b0, b1, scratch);
+    for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
+      f32_tile_rows<Q, G>(a, g, t0, imin(kF32Rows, a.m - t0), scratch, b0 * kQBlock, b1 * kQBlock);
+    }
+  }
 }
 
 template <QType Q>

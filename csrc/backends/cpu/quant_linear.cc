@@ -429,10 +429,11 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
     return;
   }
   std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);
-  // Items as in linear_raw (about kItemsPerThread per thread), N cut into
-  // near-equal ranges of row-group pairs (the AVX-512 kernel's unit), M into
-  // chunks of whole row tiles.
-  constexpr int64_t kItemsPerThread = 8;
+  // Items as in linear_raw, N cut into near-equal ranges of row-group pairs
+  // (the AVX-512 kernel's unit), M into chunks of whole row tiles; up to 16
+  // items per thread, so a layer of a few dozen pairs (576 -> 576: 18) runs
+  // one pair per item and the dynamic scheduling evens the threads out.
+  constexpr int64_t kItemsPerThread = 16;
   const int64_t threads = pool->num_threads();
   const int64_t pairs = (groups + 1) / 2;
   const int64_t m_chunk = m <= 2 * kF32RowsPerItem ? m : kF32RowsPerItem;
