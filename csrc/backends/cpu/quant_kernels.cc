@@ -29,6 +29,9 @@
 // acc = fma(isum, scale, acc) and, for Q4_1, acc = fma(m, xs, acc) (the scalar
 // variant rounds the product and the sum separately instead).
 //
+// gemm_f32 (the exact float32 GEMM of linear_f32, float32 activations, no
+// integer math) is described at its section below.
+//
 // Everything but the table getter has internal linkage and no standard-library
 // template is used (tests/cpp/check_isa_objects.cmake verifies the objects).
 #include <math.h>

@@ -4,7 +4,9 @@
 // weights stay in their blocks, the activations are quantised per row in
 // groups of 32 to int8 (a scale and the group's sum per group, llama.cpp's Q8_1
 // idea), and the block dot products are integer SIMD: AVX512-VNNI / AVX-VNNI
-// vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, plain C++ elsewhere.
+// vpdpbusd, AVX2 vpmaddubsw + vpmaddwd, plain C++ elsewhere. linear_f32 is the
+// lossless alternative: float32 activations times the weights expanded in
+// registers to their exact float32 values (AVX-512 / AVX2 FMA, plain C++).
 //
 // The kernel variant is chosen at run time (quant_isa.h, compiled_quant_isas()
 // below): the best one this build has and this CPU executes, capped by the
