@@ -19,26 +19,15 @@ spin too). A checkout-only script (not under ``pagedserve bench``).
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
+
+from quant_linear import per_call_ms  # bench/quant_linear.py (this script's folder is on sys.path)
 import torch.nn.functional as F
 
 # (name, in_features K, out_features N, qtype, times per decoder pass)
 SHAPES = [("qkv", 576, 960, "q4_1", 30), ("o", 576, 576, "q4_1", 30), ("gate_up", 576, 3072, "q4_1", 30),
           ("down", 1536, 576, "q4_1", 30), ("lm_head", 576, 49152, "q8_0", 1)]
-
-
-def per_call_ms(fn, budget_ms: float) -> float:
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-6)
-    iters = max(1, int(budget_ms / 1000 / one))
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    return (time.perf_counter() - t0) / iters * 1000
 
 
 def main() -> None:

@@ -86,8 +86,10 @@ class EngineArgs:
         choices=_backend_choices))
     linear_impl: str = field(default="auto", metadata=_arg(
         "GEMM path of the linear layers on CPU: auto = the fastest correct one measured on this machine at "
-        "start-up (cached per machine), torch = torch's default GEMM, onednn = oneDNN with pre-packed weights",
-        choices=["auto", "torch", "onednn"]))
+        "start-up (cached per machine), torch = torch's default GEMM, onednn = oneDNN with pre-packed weights, "
+        "gguf = float32 only, for a model loaded from a GGUF file: calls of up to 128 rows read the file's own "
+        "Q4_1/Q8_0 blocks and expand them exactly to the float32 weights (auto takes this where it measures "
+        "faster)", choices=["auto", "torch", "onednn", "gguf"]))
     quantization: str = field(default="none", metadata=_arg(
         "run the linear layers on quantised weights (CPU): q4 = the GGUF's own Q4_1 blocks (llama.cpp's format; a "
         "float checkpoint is quantised to Q4_1) with its Q8_0 output layer, int8 = Q8_0 blocks (8-bit, a scale per "
@@ -112,7 +114,7 @@ class EngineArgs:
                 raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
-        for name, allowed in (("linear_impl", ("auto", "torch", "onednn")), ("quantization", ("none", "q4", "int8")),
+        for name, allowed in (("linear_impl", ("auto", "torch", "onednn", "gguf")), ("quantization", ("none", "q4", "int8")),
                               ("model_impl", ("auto", "pagedserve", "transformers"))):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")

@@ -92,6 +92,39 @@ struct F32Scratch {
   }
 };
 
+// num_threads within [1, kMaxLinearThreads], or KernelArgumentError.
+void check_num_threads(int num_threads) {
+  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
+}
+
+// The checks linear and linear_f32 share (x's dtype is checked by the caller):
+// x [M, k] and out [M, n] of x's dtype, both 2-d and contiguous, not
+// overlapping; bias float32 [n] contiguous or null; num_threads in range.
+// Returns M. Throws KernelArgumentError.
+int64_t check_linear_args(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads,
+                          int64_t n, int64_t k) {
+  x.check_dim(2);
+  const int64_t m = x.size(0);
+  x.check_shape({m, k});
+  x.check_contiguous();
+  out.check_dtype(x.dtype);
+  out.check_dim(2);
+  out.check_shape({m, n});
+  out.check_contiguous();
+  out.check_no_overlap();
+  if (bias != nullptr) {
+    bias->check_dtype(DType::kFloat32);
+    bias->check_dim(1);
+    bias->check_shape({n});
+    bias->check_contiguous();
+  }
+  check_num_threads(num_threads);
+  return m;
+}
+
 }  // namespace
 
 const std::vector<QuantIsaVariant>& compiled_quant_isas() {
@@ -220,10 +253,7 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
   out.check_dim(2);
   out.check_shape({n_, k_});
   out.check_contiguous();
-  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
-    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
-                              std::to_string(num_threads));
-  }
+  check_num_threads(num_threads);
   const bool to_bf16 = out.dtype == DType::kBFloat16;
   const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
   // rows [r0, r1) of the output; float32 first (exact), then rounded to bfloat16 when asked
@@ -270,28 +300,10 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
 
 void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
                              int num_threads) const {
-  x.check_dim(2);
   if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16) {
     throw KernelArgumentError(x.name + " must be float32 or bfloat16, got " + dtype_name(x.dtype));
   }
-  const int64_t m = x.size(0);
-  x.check_shape({m, k_});
-  x.check_contiguous();
-  out.check_dtype(x.dtype);
-  out.check_dim(2);
-  out.check_shape({m, n_});
-  out.check_contiguous();
-  out.check_no_overlap();
-  if (bias != nullptr) {
-    bias->check_dtype(DType::kFloat32);
-    bias->check_dim(1);
-    bias->check_shape({n_});
-    bias->check_contiguous();
-  }
-  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
-    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
-                              std::to_string(num_threads));
-  }
+  const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
   linear_raw(x.data, x.dtype, m, out.data, bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
              active_quant_isa().table());
@@ -378,26 +390,8 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
 
 void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
                                  int num_threads) const {
-  x.check_dim(2);
   x.check_dtype(DType::kFloat32);
-  const int64_t m = x.size(0);
-  x.check_shape({m, k_});
-  x.check_contiguous();
-  out.check_dtype(DType::kFloat32);
-  out.check_dim(2);
-  out.check_shape({m, n_});
-  out.check_contiguous();
-  out.check_no_overlap();
-  if (bias != nullptr) {
-    bias->check_dtype(DType::kFloat32);
-    bias->check_dim(1);
-    bias->check_shape({n_});
-    bias->check_contiguous();
-  }
-  if (num_threads < 1 || num_threads > kMaxLinearThreads) {
-    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxLinearThreads) + "], got " +
-                              std::to_string(num_threads));
-  }
+  const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
   linear_f32_raw(x.ptr<float>(), m, out.ptr<float>(), bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
                  active_quant_isa().table());

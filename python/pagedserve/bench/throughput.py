@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
-    ap.add_argument("--linear-impl", default="auto", choices=["auto", "torch", "onednn"],
+    ap.add_argument("--linear-impl", default="auto", choices=["auto", "torch", "onednn", "gguf"],
                     help="PagedServe's GEMM path (auto: measured at start-up; the table names the one chosen)")
     ap.add_argument("--model-impl", default="auto", choices=["auto", "pagedserve", "transformers"],
                     help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")

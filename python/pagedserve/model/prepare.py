@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import _core
+from .gguf_linear import GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, fuse_plain, lean_linear_shapes, why_not_lean
 from .linear import choose_linear_impl, describe, make_linear, swap_linears
 from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
@@ -30,7 +31,7 @@ class PreparedModel:
         lean: the lean decoder (called by ModelRunner instead of the Hugging
             Face decoder), or None.
         model_impl: "pagedserve" or "transformers", and why (for the log).
-        linear_impl: the GEMM path ("torch", "onednn") or the quantisation ("q4", "int8").
+        linear_impl: the GEMM path ("torch", "onednn", "gguf") or the quantisation ("q4", "int8").
         linear_path: one line naming the linear layers' path and why.
         weight_bytes: bytes of the weights the engine computes with.
     """
@@ -47,7 +48,7 @@ def weight_bytes(model: torch.nn.Module) -> int:
     a model holds; tied weights count once."""
     seen, total = set(), 0
     for module in model.modules():
-        if isinstance(module, QuantLinear):
+        if isinstance(module, (QuantLinear, GGUFFloatLinear)):
             total += module.nbytes
     for t in list(model.parameters()) + list(model.buffers()):
         try:
@@ -75,6 +76,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             here, --model-impl pagedserve for an architecture without a lean forward.
     """
     config = model.config
+    builder = None  # the gguf path's layer builder, where it applies
     if model_impl == "transformers":
         why_lean = "--model-impl transformers"
     else:
@@ -88,10 +90,18 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         fuse, impl = quantizer.linear, quantization
     else:
         # measured on the shapes the engine will run: the lean forward's fused layers where it applies
-        choice = choose_linear_impl(model, dtype, device, linear_impl,
+        choice = choose_linear_impl(model, dtype, device, "auto" if linear_impl == "gguf" else linear_impl,
                                     shapes=lean_linear_shapes(model) if why_lean is None else None)
         impl = choice.impl
         fuse = fuse_plain(lambda lin: make_linear(lin, impl))
+        if linear_impl in ("auto", "gguf"):
+            gguf = GGUFBlocks.read(gguf_path) if gguf_path and torch.device(device).type == "cpu" else None
+            why_gguf = why_no_gguf_path(dtype, device, gguf) or (
+                f"no lean forward for this model ({why_lean})" if why_lean is not None else None)
+            if why_gguf is not None and linear_impl == "gguf":
+                raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
+            if why_gguf is None:
+                builder = fuse = GGUFLinearBuilder(gguf, config, fuse)
     lean = None
     if why_lean is None:
         lean = LeanLlamaDecoder(model, fuse, max_model_len)
@@ -106,17 +116,37 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         else:
             swap_linears(model, impl)
         why = f"transformers ({why_lean})"
-    # our kernels make all of a quantised step's GEMMs: their thread pool polls between back-to-back calls
-    # instead of sleeping; with torch's GEMMs in between, polling would take the cores from OpenMP's threads
-    _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if quantization != "none" else 0)
+    # our kernels make all of a quantised (or gguf-path) decode step's GEMMs: their thread pool polls between
+    # back-to-back calls instead of sleeping; with torch's GEMMs in between, polling would take the cores from
+    # OpenMP's threads
+    ours = quantization != "none" or builder is not None
+    _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
+    if builder is not None:
+        if linear_impl == "gguf":  # asked for by name: the blocks serve every call up to FORCED_MAX_ROWS rows
+            gguf_ms = None
+        else:
+            gguf_ms = builder.tune()
+        if builder.max_rows > 0 and builder.native:
+            impl = "gguf"
+        else:
+            _core.cpu.set_thread_pool_spin_us(0)
     if quantization != "none":
         source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
         large = (f"; calls of {DENSE_MIN_ROWS}+ rows: de-quantised to bfloat16, torch's bfloat16 GEMM"
                  if quantizer.dense_prefill else "")
         path = (f"{quantization}: {quantizer.qtype} blocks, int8 activations ({source}, {quantizer.requantized} "
                 f"quantised here; kernel {_kernel_isa()}{large})")
+    elif impl == "gguf":
+        measured = "" if gguf_ms is None else ("; measured ms per pass at " + "/".join(map(str, gguf_ms["gguf"])) +
+                                               " rows: " + ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values())
+                                                                     for k, t in gguf_ms.items()))
+        path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
+                f"calls of up to {builder.max_rows} rows ({builder.dense_only} layers dense{measured}); larger calls: "
+                f"{describe(choice)}")
     else:
         path = describe(choice)
+        if builder is not None:
+            path += f" (the gguf path measured slower here: {gguf_ms})"
     return PreparedModel(lean, why, impl, path, weight_bytes(model))
 
 

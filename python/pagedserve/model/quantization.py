@@ -97,6 +97,37 @@ class GGUFBlocks:
         reader = GGUFReader(str(path))
         return cls(Path(path), {t.name: (t.data, t.tensor_type.name.lower()) for t in reader.tensors})
 
+    def gguf_name(self, name: str) -> str | None:
+        """The GGUF tensor name of a Llama linear layer's qualified transformers
+        name (``model.layers.{i}.self_attn.q_proj``, ``lm_head``), or None."""
+        if name == "lm_head":
+            return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
+        if len(parts) == 5 and parts[:2] == ["model", "layers"]:
+            sub = _GGUF_LAYER.get(".".join(parts[3:]))
+            return f"blk.{parts[2]}.{sub}.weight" if sub else None
+        return None
+
+    def layer_blocks(self, name: str, out_features: int, num_heads: int, num_kv_heads: int,
+                     wanted: tuple[str, ...]) -> tuple[torch.Tensor, str] | None:
+        """(blocks [out_features, bytes] uint8 in Hugging Face's row order, qtype)
+        of the linear layer ``name`` as this file stores it, if it stores it in
+        one of the ``wanted`` block types ("q4_1", "q8_0") with out_features
+        rows; else None. The q and k projections' rows are moved from
+        llama.cpp's rotary order (unpermute_rows)."""
+        gname = self.gguf_name(name)
+        entry = self.tensors.get(gname) if gname else None
+        if entry is None or entry[1] not in wanted:
+            return None
+        raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
+        if raw.shape[0] != out_features:
+            return None
+        if gname.endswith("attn_q.weight"):
+            raw = unpermute_rows(raw, num_heads)
+        elif gname.endswith("attn_k.weight"):
+            raw = unpermute_rows(raw, num_kv_heads)
+        return raw, entry[1]
+
 
 # Calls of at least this many rows (prefill chunks) multiply the weights de-quantised to bfloat16 with oneDNN's
 # bfloat16 GEMM where the CPU has native bfloat16 arithmetic: there the integer kernel is compute-bound and slower
@@ -188,33 +219,17 @@ class Quantizer:
         self.native, self.requantized = 0, 0
         self.dense_prefill = dense_prefill_available()
 
-    def _gguf_name(self, name: str) -> str | None:
-        if name == "lm_head":
-            return "output.weight" if "output.weight" in self.gguf.tensors else "token_embd.weight"
-        parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
-        if len(parts) == 5 and parts[:2] == ["model", "layers"]:
-            sub = _GGUF_LAYER.get(".".join(parts[3:]))
-            return f"blk.{parts[2]}.{sub}.weight" if sub else None
-        return None
-
     def blocks(self, linear: torch.nn.Linear, name: str) -> tuple[torch.Tensor, str]:
         """(blocks [N, bytes] uint8, qtype) for the layer ``name`` (its qualified
         name in the transformers model): the GGUF's own blocks when the file
         stores that tensor in this quantisation's type (the output layer: in
         Q4_1 or Q8_0), else the float weight quantised to it."""
         if self.gguf is not None:
-            gname = self._gguf_name(name)
-            entry = self.gguf.tensors.get(gname) if gname else None
-            wanted = ("q4_1", "q8_0") if name == "lm_head" else (self.qtype,)
-            if entry is not None and entry[1] in wanted:
-                raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
-                if raw.shape[0] == linear.out_features:
-                    if gname.endswith("attn_q.weight"):
-                        raw = unpermute_rows(raw, self.num_heads)
-                    elif gname.endswith("attn_k.weight"):
-                        raw = unpermute_rows(raw, self.num_kv_heads)
-                    self.native += 1
-                    return raw, entry[1]
+            native = self.gguf.layer_blocks(name, linear.out_features, self.num_heads, self.num_kv_heads,
+                                            ("q4_1", "q8_0") if name == "lm_head" else (self.qtype,))
+            if native is not None:
+                self.native += 1
+                return native
         # an output layer quantised here gets 8 bits, as llama.cpp keeps it at higher precision than the layers
         qtype = "q8_0" if name == "lm_head" else self.qtype
         self.requantized += 1

@@ -1,0 +1,171 @@
+"""The ``gguf`` GEMM path: float32 linear layers computed from the GGUF's own
+Q4_1 / Q8_0 blocks (``--linear-impl gguf``; ``auto`` takes it where it
+measures faster).
+
+A model converted from a GGUF file has float32 weights that are exactly the
+blocks' values (Q4_1: w = d q + m, Q8_0: w = d q, gguf-py's de-quantisation).
+The kernel ``QuantizedWeight.linear_f32`` expands each block to those float32
+values in registers and multiplies them with the float32 activations,
+accumulating in float32: the products of a float32 GEMM on the dense weights,
+summed in another order, while reading 4.5 (Q4_1) or 8.5 (Q8_0) bits per
+weight instead of 32. A decode step (a few to a few dozen rows per call) is
+bound by reading the weights, so this is where it pays; calls of more than
+``max_rows`` rows (prefill chunks) go to the dense float32 layer the module
+keeps (the model's own weights on the measured dense path). Unlike
+``--quantization``, nothing is rounded: a layer takes this path only if its
+de-quantised blocks equal the model's float32 weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .. import _core
+from .linear import time_cases
+from .quantization import GGUFBlocks
+
+logger = logging.getLogger(__name__)
+
+# Row counts the start-up measurement times (decode batch sizes, and one prefill-like size).
+TUNE_ROWS = (1, 8, 32, 128)
+# Calls of up to this many rows take the GGUF path when it is asked for by name (no measurement).
+FORCED_MAX_ROWS = 128
+
+
+class GGUFFloatLinear(torch.nn.Module):
+    """x [..., in_features] float32 -> [..., out_features] float32 = x @ W.T + b
+    with W the GGUF blocks' exact float32 values: calls of at most ``max_rows``
+    rows run QuantizedWeight.linear_f32 on the blocks, larger ones (or another
+    dtype) run ``dense``, which holds the same weights as float32.
+
+    Args:
+        weight: _core.cpu.QuantizedWeight of the blocks, [out_features, in_features].
+        bias: [out_features] float32, or None.
+        dense: a module computing the same layer on dense float32 weights.
+        max_rows: the largest call (rows) the blocks serve; 0: never.
+    """
+
+    def __init__(self, weight, bias: torch.Tensor | None, dense: torch.nn.Module, max_rows: int) -> None:
+        super().__init__()
+        self.weight_blocks, self.dense, self.max_rows = weight, dense, max_rows
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weight blocks (as the kernel stores them)."""
+        return self.weight_blocks.nbytes
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] > self.max_rows or x2.dtype != torch.float32:
+            return self.dense(x)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        self.weight_blocks.linear_f32(x2, out, self.bias, torch.get_num_threads())
+        return out.reshape(*lead, self.out_features)
+
+
+def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks | None) -> str | None:
+    """Why the gguf path cannot serve this model, or None if it can (some of
+    its layers may still stay dense: GGUFLinearBuilder checks each)."""
+    if torch.device(device).type != "cpu":
+        return f"it runs on the CPU only (device {device})"
+    if dtype != torch.float32:
+        return f"it computes in float32 (dtype {str(dtype).removeprefix('torch.')})"
+    if gguf is None:
+        return "the model was not loaded from a GGUF file"
+    if not any(t in ("q4_1", "q8_0") for _, t in gguf.tensors.values()):
+        return f"{gguf.path.name} has no Q4_1 or Q8_0 tensors"
+    return None
+
+
+class GGUFLinearBuilder:
+    """A FuseLinear (pagedserve.model.lean_llama) that builds GGUFFloatLinear
+    layers: for each (fused) layer, the dense layer from ``dense_fuse`` and, when
+    every part is stored in the GGUF as Q4_1 or Q8_0 (one type) and those
+    blocks de-quantise to the model's float32 weights bit for bit, the blocks.
+
+    Args:
+        gguf: the checkpoint's GGUF blocks.
+        config: the transformers config (heads, for the q/k row order).
+        dense_fuse: the FuseLinear of the dense path (large calls, and layers without blocks).
+        max_rows: GGUFFloatLinear.max_rows of the layers built (tune() measures it).
+    Attributes:
+        native: layers (before fusion) that run on the GGUF's blocks.
+        dense_only: layers that stay dense (no such blocks, or not the same values).
+        layers: the GGUFFloatLinear modules built.
+    """
+
+    def __init__(self, gguf: GGUFBlocks, config, dense_fuse, max_rows: int = FORCED_MAX_ROWS) -> None:
+        self.gguf, self.dense_fuse, self.max_rows = gguf, dense_fuse, max_rows
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.native, self.dense_only = 0, 0
+        self.layers: list[GGUFFloatLinear] = []
+
+    def __call__(self, linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
+        dense = self.dense_fuse(linears, names)
+        parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, ("q4_1", "q8_0"))
+                 for lin, name in zip(linears, names)]
+        if any(p is None for p in parts) or len({q for _, q in parts}) != 1:
+            self.dense_only += len(linears)
+            return dense
+        n, k = sum(lin.out_features for lin in linears), linears[0].in_features
+        weight = _core.cpu.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
+        values = torch.empty((n, k), dtype=torch.float32)
+        weight.dequantize(values, torch.get_num_threads())
+        if not torch.equal(values, torch.cat([lin.weight.detach() for lin in linears]).float()):
+            self.dense_only += len(linears)
+            logger.info("%s: the GGUF's blocks are not the model's float32 weights; the layer stays dense",
+                        ", ".join(names))
+            return dense
+        bias = None
+        if any(lin.bias is not None for lin in linears):
+            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
+                              for lin in linears])
+        layer = GGUFFloatLinear(weight, bias, dense, self.max_rows)
+        self.native += len(linears)
+        self.layers.append(layer)
+        return layer
+
+    @torch.inference_mode()
+    def tune(self, rows=TUNE_ROWS, rounds: int = 3) -> dict[str, dict[int, float]]:
+        """Measures, on the first layer of each distinct shape (counted as often as
+        the model has it), one pass over the layers on the blocks and on the dense
+        path at each row count (best of ``rounds`` alternating rounds), and sets
+        every layer's max_rows to the largest measured row count up to which the
+        blocks were faster at every count (0: never). Returns {"gguf": {rows:
+        ms}, "dense": {rows: ms}}."""
+        by_shape: dict[tuple[int, int], list[GGUFFloatLinear]] = {}
+        for layer in self.layers:
+            by_shape.setdefault((layer.in_features, layer.out_features), []).append(layer)
+        g = torch.Generator().manual_seed(0)
+        gguf_cases, dense_cases = [], []
+        for (k, _), layers in by_shape.items():
+            x = torch.randn(max(rows), k, generator=g)
+            layers[0].max_rows = max(rows)
+            gguf_cases.append((layers[0], x, len(layers)))
+            dense_cases.append((layers[0].dense, x, len(layers)))
+        ms: dict[str, dict[int, float]] = {}
+        for _ in range(rounds):
+            for name, cases in (("gguf", gguf_cases), ("dense", dense_cases)):
+                got = time_cases(cases, rows)
+                ms[name] = {r: min(got[r], ms.get(name, got)[r]) for r in rows}
+        max_rows = 0
+        for r in sorted(rows):
+            if ms["gguf"][r] >= ms["dense"][r]:
+                break
+            max_rows = r
+        self.set_max_rows(max_rows)
+        return ms
+
+    def set_max_rows(self, max_rows: int) -> None:
+        """Sets every built layer's max_rows (rows; 0: the blocks are never used)."""
+        self.max_rows = max_rows
+        for layer in self.layers:
+            layer.max_rows = max_rows

@@ -1,0 +1,91 @@
+"""--linear-impl gguf (pagedserve/model/gguf_linear.py): float32 linear layers
+computed from the GGUF's own blocks, expanded exactly to the model's float32
+weights. It must compute the same model as the dense float32 path (same
+greedy tokens, logits within float32 summation-order noise), keep every
+layer whose blocks are not the model's weights dense, route large calls to
+the dense layer, and be refused where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.model.gguf_linear import GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
+from pagedserve.model.lean_llama import fuse_plain
+from pagedserve.model.loader import default_gguf_path
+from pagedserve.model.quantization import GGUFBlocks
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return GGUFBlocks.read(default_gguf_path())
+
+
+def test_the_gguf_path_computes_the_float32_model(smollm2_dir):
+    fast = LLM(dtype="float32", linear_impl="gguf", skip_tokenizer_init=True, num_kv_blocks=64)
+    assert fast.engine.linear_impl == "gguf"
+    assert "211 layers on the GGUF's own blocks" in fast.engine.linear_path, fast.engine.linear_path
+    ref = LLM(model=smollm2_dir, dtype="float32", linear_impl="torch", skip_tokenizer_init=True, num_kv_blocks=64)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(100, 49152, (n,), generator=g).tolist() for n in (3, 17, 40, 64, 90, 128)]
+    got = fast.generate(prompts, GREEDY, use_tqdm=False)
+    want = ref.generate(prompts, GREEDY, use_tqdm=False)
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        # the chosen token's log-probability: the same float32 products in another order
+        for la, lb in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert la.logprob == pytest.approx(lb.logprob, abs=1e-4)
+
+
+def test_a_layer_whose_blocks_are_not_the_weights_stays_dense(gguf, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    q = hf.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        q.weight[3, 5] += 1e-3  # no longer the GGUF's value
+    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
+    attn = hf.model.layers[0].self_attn
+    fused = builder([attn.q_proj, attn.k_proj, attn.v_proj],
+                    [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+    assert not isinstance(fused, GGUFFloatLinear) and builder.dense_only == 3 and builder.native == 0
+    o = builder([attn.o_proj], ["model.layers.0.self_attn.o_proj"])
+    assert isinstance(o, GGUFFloatLinear) and builder.native == 1
+    head = builder([hf.lm_head], ["lm_head"])  # the Q8_0 output layer
+    assert isinstance(head, GGUFFloatLinear) and builder.native == 2
+
+
+def test_large_calls_and_other_dtypes_take_the_dense_layer(gguf, smollm2_dir):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    calls = []
+    dense = hf.model.layers[1].mlp.down_proj
+    dense.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
+    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin), max_rows=8)
+    layer = builder([dense], ["model.layers.1.mlp.down_proj"])
+    x = torch.randn(20, dense.in_features)
+    small = layer(x[:8])
+    assert calls == []
+    w = dense.weight.detach().double()
+    # float32 sums of 1536 products in the kernel's order: within a few ulps of sum |x w| of the float64 result
+    bound = 1e-6 * (x[:8].double().abs() @ w.abs().T)
+    assert bool(((small.double() - x[:8].double() @ w.T).abs() <= bound).all())
+    calls.clear()
+    torch.testing.assert_close(layer(x), dense(x), rtol=0, atol=0)
+    assert calls == [20, 20]  # the layer's own call and the reference
+    builder.set_max_rows(0)
+    layer(x[:1])
+    assert calls[-1] == 1
+
+
+def test_the_path_is_refused_where_it_cannot_run(gguf, tiny_llama_dir):
+    assert "float32" in why_no_gguf_path(torch.bfloat16, torch.device("cpu"), gguf)
+    assert "GGUF" in why_no_gguf_path(torch.float32, torch.device("cpu"), None)
+    assert "CPU" in why_no_gguf_path(torch.float32, torch.device("cuda"), gguf)
+    assert why_no_gguf_path(torch.float32, torch.device("cpu"), gguf) is None
+    with pytest.raises(ValueError, match="--linear-impl gguf cannot run here"):
+        LLM(model=tiny_llama_dir, dtype="float32", linear_impl="gguf", skip_tokenizer_init=True, num_kv_blocks=16)
