@@ -282,6 +282,12 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // path, so a row's result does not depend on the tiling, the work split or
 // the thread count.
 
+// Bytes of one repacked tile of a Q (quant_isa.h).
+template <QType Q>
+constexpr int64_t tile_bytes_of() {
+  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+}
+
 // Packs rows [r0, r1) of x [m, k] into row tiles of kF32Rows (quant_isa.h).
 void pack_x_f32(const float* x, int64_t k, int64_t m, int64_t r0, int64_t r1, float* xp) {
   for (int64_t t0 = r0; t0 < r1; t0 += kF32Rows) {
@@ -592,11 +598,6 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
   _mm512_mask_storeu_ps(a.out + r * a.n + c0, mask, v);
 }
 
-template <QType Q>
-constexpr int64_t tile_bytes_of() {
-  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
-}
-
 // Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups).
 template <QType Q, int G>
 inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
@@ -754,14 +755,6 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) f32_groups<Q, 2>(a, g, m0, m1, scratch);
   if (g < g1) f32_groups<Q, 1>(a, g, m0, m1, scratch);
-}
-
-void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
-  if (a.qtype == QType::kQ4_1) {
-    gemm_f32_typed<QType::kQ4_1>(a, g0, g1, m0, m1, scratch);
-  } else {
-    gemm_f32_typed<QType::kQ8_0>(a, g0, g1, m0, m1, scratch);
-  }
 }
 
 #else
@@ -923,11 +916,6 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // and a multiply (Q8_0). One pass of rows expands in registers; more rows
 // first expand the group once into scratch (K x 16 floats).
 
-template <QType Q>
-constexpr int64_t tile_bytes_of() {
-  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
-}
-
 // The dequantised weights of element e of the tile at t for rows 8 h .. 8 h + 7
 // of its group; d, m that half's scales (Q8_0: d * 2^-24).
 template <QType Q>
@@ -1066,6 +1054,10 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   }
 }
 
+#endif
+
+#if PAGEDSERVE_QISA_LEVEL != 0
+// Both SIMD levels: their gemm_f32_typed per block type.
 void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   if (a.qtype == QType::kQ4_1) {
     gemm_f32_typed<QType::kQ4_1>(a, g0, g1, m0, m1, scratch);
