@@ -220,6 +220,62 @@ def test_reshape_and_cache_writes_only_the_named_slots(backend_cls):
     assert store.abs().sum() == 6 * key[0].sum()
 
 
+def test_cpu_kv_store_is_zeroed_and_on_huge_pages_where_the_os_offers_them():
+    """The CPU backend's store is zeroed like every backend's; it asks for
+    transparent huge pages before writing it, so on Linux with THP not
+    'never' its pages are huge ones (AnonHugePages in the process's smaps
+    grows by about its size) unless the kernel had none free."""
+    import pathlib
+    backend = cpu_backend.CpuAttentionBackend(AttentionSpec(4, 2, 64, 16, 512, torch.float32))
+
+    def anon_huge_kb() -> int:
+        rollup = pathlib.Path("/proc/self/smaps_rollup")
+        if not rollup.exists():
+            return 0
+        return next((int(line.split()[1]) for line in rollup.read_text().splitlines()
+                     if line.startswith("AnonHugePages:")), 0)
+
+    before = anon_huge_kb()
+    store = backend.allocate_kv_cache(3)  # 3 x 2 x 512 blocks x 16 x 128 floats: 24 MiB
+    assert store.shape == (3, *backend.kv_cache_shape()) and not store.any()
+    assert _core.cpu.advise_huge_pages(store.data_ptr(), 100) == 0  # no whole huge page inside
+    if not _core.cpu.huge_pages_available():
+        pytest.skip("the OS takes no huge-page advice here (not Linux, or transparent huge pages 'never')")
+    assert _core.cpu.advise_huge_pages(store.data_ptr(), store.numel() * 4) >= 10 << 21
+    gained = anon_huge_kb() - before
+    if gained <= 0:
+        pytest.skip("the kernel gave no huge pages (none free); the advice was taken")
+    assert gained >= 8 << 10  # at least 8 MiB of the 24 MiB store
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_reshape_and_cache_on_threads_writes_what_one_thread_writes(dtype):
+    """The C++ reshape_and_cache splits a large call over the pool by (K or V,
+    head, element range), each in token order: the caches equal a plain
+    per-token reference, byte for byte, on 1 and 2 threads, with a repeated
+    slot (the later token wins), skipped tokens (negative slots) and strided
+    key/value views of one qkv tensor (the lean forward passes those)."""
+    g = torch.Generator().manual_seed(3)
+    t, hkv, d, bs, nb = 40, 3, 64, 16, 12
+    qkv = torch.randn(t, (4 + 2 * hkv) * d, generator=g).to(dtype)
+    key = qkv[:, 4 * d:(4 + hkv) * d].view(t, hkv, d)
+    value = qkv[:, (4 + hkv) * d:].view(t, hkv, d)
+    slots = torch.randperm(nb * bs, generator=g)[:t]
+    slots[7], slots[30] = -1, -5
+    slots[25] = slots[3]  # token 25 overwrites token 3
+    k_ref, v_ref = torch.zeros(nb, hkv, d, bs, dtype=dtype), torch.zeros(nb, hkv, bs, d, dtype=dtype)
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            k_ref[s // bs, :, :, s % bs] = key[i]
+            v_ref[s // bs, :, s % bs, :] = value[i]
+    for threads in (1, 2):
+        k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slots, threads)
+        assert torch.equal(k_cache, k_ref) and torch.equal(v_cache, v_ref), threads
+    with pytest.raises(KernelArgumentError, match="num_threads"):
+        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slots, 0)
+
+
 @pytest.mark.parametrize("bad", ["hole", "short_table", "long_query", "block_out_of_range"])
 def test_every_backend_refuses_bad_metadata_in_its_plan(backend_cls, bad):
     """The shared checks run in every backend's make_plan: no kernel reads

@@ -42,6 +42,21 @@ def test_greedy_rows_take_argmax_and_sampled_rows_stay_in_top_k():
         assert set(t[1:3]) <= set(torch.topk(logits[1], 3).indices.tolist())
 
 
+def test_greedy_token_is_torch_argmax_on_ties_nan_and_inf():
+    """The batched greedy pick is torch.argmax's: the first maximum of a row,
+    NaN counting as the maximum (the sampler computes it with numpy)."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (6, 4096), generator=g).float()  # many ties at the maximum
+    logits[1, 100], logits[1, 5] = float("nan"), float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, ::2] = float("inf")
+    rows = [row(SamplingParams(temperature=0)) for _ in range(6)]
+    got = Sampler()(logits, rows).token_ids
+    assert got == torch.argmax(logits, dim=-1).tolist()
+    assert got[1] == 5 and got[2] == 7 and got[3] == 0 and got[4] == 0
+
+
 def test_seed_reproducible_whatever_else_is_in_the_batch(tiny_llama_dir):
     llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
     seeded = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=20, ignore_eos=True)

@@ -28,18 +28,33 @@ void check_caches(const TensorArg& k_cache, const TensorArg& v_cache, int64_t nu
   }
 }
 
-// Writes token t of src [T, Hkv, D] at slot: V rows as [bs, D], K transposed as [D, bs].
+// Elements of a head row one reshape_and_cache work item writes (for every token).
+constexpr int64_t kCacheWriteChunk = 16;
+// Below this many elements (T x Hkv x D, keys and values each) a call writes on
+// the calling thread. A decode step's 32 tokens of 3 x 64 (SmolLM2) go to the
+// pool, whose two threads overlap twice the cache misses of the transposed K
+// stores (one line per element), and whose workers then stay awake for the
+// attention call that follows (measured on a 2-core AVX-512 Xeon, 30 layers'
+// caches of 4096 blocks, polling pool: 2.24 -> 1.80 ms per decode step).
+constexpr int64_t kCacheWriteMinParallel = 4096;
+
+// Writes elements [i0, i1) of head h of every token of src [T, Hkv, D] at its
+// slot (negative: skipped), in token order: V rows as [bs, D], K transposed as
+// [D, bs]. Work items own disjoint (head, element) ranges, so the result does
+// not depend on the split, even when two tokens name the same slot.
 template <typename T>
-void write_token(const TensorArg& src, int64_t t, T* cache, int64_t slot, int64_t hkv, int64_t d, int64_t bs,
-                 bool transposed) {
-  const int64_t block = slot / bs, off = slot % bs;
-  for (int64_t h = 0; h < hkv; ++h) {
-    const T* s = src.ptr<T>() + t * src.strides[0] + h * src.strides[1];
+void write_head_range(const TensorArg& src, const std::vector<int64_t>& slots, T* cache, int64_t h, int64_t i0,
+                      int64_t i1, int64_t hkv, int64_t d, int64_t bs, bool transposed) {
+  for (size_t t = 0; t < slots.size(); ++t) {
+    const int64_t slot = slots[t];
+    if (slot < 0) continue;
+    const int64_t block = slot / bs, off = slot % bs;
+    const T* s = src.ptr<T>() + static_cast<int64_t>(t) * src.strides[0] + h * src.strides[1];
     T* base = cache + (block * hkv + h) * bs * d;
     if (transposed) {
-      for (int64_t i = 0; i < d; ++i) base[i * bs + off] = s[i];
+      for (int64_t i = i0; i < i1; ++i) base[i * bs + off] = s[i];
     } else {
-      std::memcpy(base + off * d, s, d * sizeof(T));
+      std::memcpy(base + off * d + i0, s + i0, (i1 - i0) * sizeof(T));
     }
   }
 }
@@ -54,8 +69,12 @@ int64_t kernel_scratch_floats(int64_t group, int64_t head_dim, int64_t block_siz
 }
 
 void reshape_and_cache(const TensorArg& key, const TensorArg& value, const TensorArg& k_cache,
-                       const TensorArg& v_cache, const TensorArg& slot_mapping) {
+                       const TensorArg& v_cache, const TensorArg& slot_mapping, int num_threads) {
   k_cache.check_dim(4);
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
   const int64_t num_blocks = k_cache.size(0), hkv = k_cache.size(1), d = k_cache.size(2), bs = k_cache.size(3);
   if (num_blocks > kMaxBlocks || hkv > kMaxHeads || d > kMaxHeadDim || bs > kMaxBlockSize) {
     throw KernelArgumentError("k_cache's shape is outside the supported bounds");
@@ -65,15 +84,24 @@ void reshape_and_cache(const TensorArg& key, const TensorArg& value, const Tenso
   const int64_t T = key.size(0);
   check_token_heads(value, T, hkv, d, k_cache.dtype);
   const std::vector<int64_t> slots = check_slot_mapping(slot_mapping, T, num_blocks * bs);
-  for (int64_t t = 0; t < T; ++t) {
-    if (slots[t] < 0) continue;
+  // items: (K or V, head, chunk of kCacheWriteChunk elements)
+  const int64_t chunks = (d + kCacheWriteChunk - 1) / kCacheWriteChunk, items = 2 * hkv * chunks;
+  const auto write = [&](int64_t item, int) {
+    const bool is_key = item < hkv * chunks;
+    const int64_t rest = is_key ? item : item - hkv * chunks, h = rest / chunks, c = rest % chunks;
+    const int64_t i0 = c * kCacheWriteChunk, i1 = std::min(d, i0 + kCacheWriteChunk);
+    const TensorArg& src = is_key ? key : value;
+    const TensorArg& cache = is_key ? k_cache : v_cache;
     if (k_cache.dtype == DType::kFloat32) {
-      write_token<float>(key, t, k_cache.ptr<float>(), slots[t], hkv, d, bs, true);
-      write_token<float>(value, t, v_cache.ptr<float>(), slots[t], hkv, d, bs, false);
+      write_head_range<float>(src, slots, cache.ptr<float>(), h, i0, i1, hkv, d, bs, is_key);
     } else {
-      write_token<bf16>(key, t, k_cache.ptr<bf16>(), slots[t], hkv, d, bs, true);
-      write_token<bf16>(value, t, v_cache.ptr<bf16>(), slots[t], hkv, d, bs, false);
+      write_head_range<bf16>(src, slots, cache.ptr<bf16>(), h, i0, i1, hkv, d, bs, is_key);
     }
+  };
+  if (num_threads == 1 || T * hkv * d < kCacheWriteMinParallel) {
+    for (int64_t i = 0; i < items; ++i) write(i, 0);
+  } else {
+    ThreadPool::get(num_threads)->run(items, write);
   }
 }
 

@@ -37,11 +37,13 @@ class ThreadPool;
 constexpr int kMaxThreads = 1024;  // worker threads an AttentionPlan accepts
 
 // Writes key/value [T, Hkv, D] into k_cache/v_cache at slot_mapping [T] (int64;
-// slot = block * block_size + offset; a negative slot skips the token). Throws
-// KernelArgumentError on a shape/dtype/layout mismatch or a slot out of range
-// (checked before anything is written).
+// slot = block * block_size + offset; a negative slot skips the token; of two
+// tokens naming one slot the later wins), on up to num_threads threads (the
+// shared pool) when the call is large enough. Throws KernelArgumentError on a
+// shape/dtype/layout mismatch, a slot out of range (checked before anything is
+// written) or num_threads outside [1, kMaxThreads].
 void reshape_and_cache(const TensorArg& key, const TensorArg& value, const TensorArg& k_cache,
-                       const TensorArg& v_cache, const TensorArg& slot_mapping);
+                       const TensorArg& v_cache, const TensorArg& slot_mapping, int num_threads = 1);
 
 // One step's attention work, built once and shared by every layer.
 class AttentionPlan {

@@ -9,6 +9,7 @@
 #include "binding_registry.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
+#include "huge_pages.h"
 #include "thread_pool.h"
 
 namespace py = pybind11;
@@ -49,17 +50,30 @@ void bind_cpu(py::module_& m) {
         "Switches the kernel variant (plans built afterwards use it). Raises InvalidArgumentError.");
 
   m.def(
+      "advise_huge_pages",
+      [](uintptr_t address, int64_t nbytes) { return advise_huge_pages(reinterpret_cast<void*>(address), nbytes); },
+      py::arg("address"), py::arg("nbytes"),
+      "Asks the OS to back the whole 2 MiB pages inside [address, address + nbytes) (e.g. a fresh tensor's "
+      "data_ptr() and its bytes, before anything writes it) with transparent huge pages: fewer TLB misses for "
+      "memory a decode step streams through (the KV store). Returns the bytes advised (0 where the OS offers no "
+      "such advice, or refuses it); the memory's contents are unchanged either way.");
+  m.def("huge_pages_available", &huge_pages_available,
+        "Whether the OS takes huge-page advice here (Linux with transparent huge pages not 'never').");
+  m.def(
       "reshape_and_cache",
-      [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping) {
+      [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping,
+         int num_threads) {
         auto k = tensor_arg(key, "key"), v = tensor_arg(value, "value");
         auto kc = tensor_arg(k_cache, "k_cache"), vc = tensor_arg(v_cache, "v_cache");
         auto sm = tensor_arg(slot_mapping, "slot_mapping");
         py::gil_scoped_release release;
-        reshape_and_cache(k, v, kc, vc, sm);
+        reshape_and_cache(k, v, kc, vc, sm, num_threads);
       },
       py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"), py::arg("slot_mapping"),
+      py::arg("num_threads") = 1,
       "Writes key/value [T, Hkv, D] into k_cache [N, Hkv, D, block_size] (transposed) and v_cache "
-      "[N, Hkv, block_size, D] at slot_mapping [T] int64. Raises KernelArgumentError.");
+      "[N, Hkv, block_size, D] at slot_mapping [T] int64 (negative: skipped; of two tokens naming one slot the "
+      "later wins), on up to num_threads threads when the call is large enough. Raises KernelArgumentError.");
 
   py::class_<AttentionPlan, std::shared_ptr<AttentionPlan>>(m, "AttentionPlan",
                                                             "One step's validated metadata and work partition.")

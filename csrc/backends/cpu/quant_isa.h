@@ -65,10 +65,8 @@ struct QuantGemmArgs {
   DType out_dtype;
 };
 
-// Float32 activations for the exact float32 GEMM (gemm_f32), packed by
-// pack_x_f32 in tiles of kF32Rows rows so that one pointer addresses a tile's
-// rows for each k: rows 12 T .. 12 T + rt - 1 (rt = min(12, M - 12 T)) start at
-// xp + 12 T * K and hold x[12 T + i, k] at + k * rt + i.
+// Activation rows per row tile of the exact float32 GEMM (gemm_f32): a tile
+// broadcasts x[r, k] of its rows straight from x (row-major, not copied).
 constexpr int kF32Rows = 12;
 
 // One gemm_f32 call: out [M, N] float32 (row stride N) = x . W^T (+ bias [N]
@@ -81,7 +79,7 @@ struct QuantF32GemmArgs {
   const uint8_t* w;  // repacked tiles (layout above)
   int64_t n, k;      // real N (unpadded) and K
   int64_t m;
-  const float* xp;   // [M, K] packed by pack_x_f32
+  const float* x;    // [M, K] float32, row-major (row stride K)
   const float* bias;
   float* out;
 };
@@ -98,9 +96,6 @@ struct QuantKernelTable {
   // Computes out rows [m0, m1) x row groups [g0, g1) (columns 16*g0 ..
   // min(N, 16*g1)).
   void (*gemm)(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
-  // Copies rows [r0, r1) of x [M, K] float32 (contiguous; r0 a multiple of
-  // kF32Rows) into xp in the packed layout above.
-  void (*pack_x_f32)(const float* x, int64_t k, int64_t m, int64_t r0, int64_t r1, float* xp);
   // Computes out rows [m0, m1) (m0 a multiple of kF32Rows) x row groups
   // [g0, g1) of gemm_f32. scratch: 64-byte aligned room for K * 32 floats
   // (the expanded weights of two row groups, reused by every row tile when

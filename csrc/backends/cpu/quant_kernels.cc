@@ -288,24 +288,6 @@ constexpr int64_t tile_bytes_of() {
   return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
 }
 
-// Packs rows [r0, r1) of x [m, k] into row tiles of kF32Rows (quant_isa.h).
-void pack_x_f32(const float* x, int64_t k, int64_t m, int64_t r0, int64_t r1, float* xp) {
-  for (int64_t t0 = r0; t0 < r1; t0 += kF32Rows) {
-    const int64_t rt = imin(kF32Rows, m - t0);
-    const float* src = x + t0 * k;
-    float* dst = xp + t0 * k;
-    if (rt == 1) {
-      memcpy(dst, src, static_cast<size_t>(k) * sizeof(float));
-      continue;
-    }
-    for (int64_t e0 = 0; e0 < k; e0 += kQBlock) {  // 32 columns at a time: rt source lines stay in L1
-      for (int64_t i = 0; i < rt; ++i) {
-        for (int64_t e = e0; e < e0 + kQBlock; ++e) dst[e * rt + i] = src[i * k + e];
-      }
-    }
-  }
-}
-
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(16, N - c0).
 inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, const float* acc) {
   const int64_t nv = imin(kQRows, a.n - c0);
@@ -389,7 +371,7 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
   for (int64_t g = g0; g < g1; ++g) {
     for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
       const int64_t rt = imin(kF32Rows, a.m - t0);
-      const float* xt = a.xp + t0 * a.k;
+      const float* xt = a.x + t0 * a.k;  // row t0 + i at xt + i * K
       float acc[kF32Rows][kQRows];
       for (auto& row : acc) {
         for (float& v : row) v = 0.f;
@@ -398,9 +380,9 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
         for (int e = 0; e < kQBlock; ++e) {
           float w[kQRows];
           expand_scalar(a, g, b, e, w);
-          const float* xe = xt + (b * kQBlock + e) * rt;
+          const float* xe = xt + b * kQBlock + e;
           for (int64_t i = 0; i < rt; ++i) {
-            for (int j = 0; j < kQRows; ++j) acc[i][j] = acc[i][j] + xe[i] * w[j];
+            for (int j = 0; j < kQRows; ++j) acc[i][j] = acc[i][j] + xe[i * a.k] * w[j];
           }
         }
       }
@@ -619,12 +601,13 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * gstride;
-  const float* x = a.xp + t0 * a.k;  // x[t0 + i, k] at + k * R + i
+  const float* xr[R];  // the tile's rows; x[t0 + i, 32 b + e] at xr[i][e] in block b's iteration
+  for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i) * a.k;
   __m512 acc[G][R];
   for (int gi = 0; gi < G; ++gi) {
     for (int i = 0; i < R; ++i) acc[gi][i] = _mm512_setzero_ps();
   }
-  for (int64_t b = 0; b < nb; ++b, t += kTile, x += kQBlock * R) {
+  for (int64_t b = 0; b < nb; ++b, t += kTile) {
     prefetch_tiles<Q, G>(a, g + G, groups, b);
     __m512 d[G], m[G];
     for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
@@ -633,10 +616,11 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
       __m512 w[G];
       for (int gi = 0; gi < G; ++gi) w[gi] = expand16<Q>(t + gi * gstride, e, d[gi], m[gi]);
       for (int i = 0; i < R; ++i) {
-        const __m512 xv = _mm512_set1_ps(x[e * R + i]);
+        const __m512 xv = _mm512_set1_ps(xr[i][e]);
         for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
       }
     }
+    for (int i = 0; i < R; ++i) xr[i] += kQBlock;
   }
   for (int i = 0; i < R; ++i) {
     for (int gi = 0; gi < G; ++gi) store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
@@ -668,7 +652,8 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, fl
 // single pass over K: a float32 store and load are exact).
 template <int G, int R>
 void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws, int64_t k0, int64_t k1) {
-  const float* x = a.xp + t0 * a.k + k0 * R;
+  const float* xr[R];  // x[t0 + i, k] at xr[i][k - k0]
+  for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i) * a.k + k0;
   __m512 acc[G][R];
   __mmask16 mask[G];
   for (int gi = 0; gi < G; ++gi) {
@@ -680,11 +665,11 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
     }
   }
 #pragma GCC unroll 4
-  for (int64_t k = k0; k < k1; ++k, ws += 16 * G, x += R) {
+  for (int64_t k = 0; k < k1 - k0; ++k, ws += 16 * G) {
     __m512 w[G];
     for (int gi = 0; gi < G; ++gi) w[gi] = _mm512_load_ps(ws + 16 * gi);
     for (int i = 0; i < R; ++i) {
-      const __m512 xv = _mm512_set1_ps(x[i]);
+      const __m512 xv = _mm512_set1_ps(xr[i][k]);
       for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
     }
   }
@@ -961,16 +946,17 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
   _mm256_storeu_ps(a.out + r * a.n + c0, v);
 }
 
-// Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 (rt rows) x row
+// Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row
 // group g; ws: nullptr (expand in registers) or f32_expand's weights.
 template <QType Q, int R>
-void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, int64_t i0, const float* ws) {
+void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * nb * kTile;
   const uint8_t* pf = g + 1 < groups ? t + nb * kTile : nullptr;
-  const float* x = a.xp + t0 * a.k + i0;  // x[t0 + i0 + i, k] at + k * rt + i
+  const float* xr[R];  // x[t0 + i0 + i, k] at xr[i][k]
+  for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i0 + i) * a.k;
   __m256 acc[2][R];
   for (int h = 0; h < 2; ++h) {
     for (int i = 0; i < R; ++i) acc[h][i] = _mm256_setzero_ps();
@@ -983,22 +969,23 @@ void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, int6
       }
       __m256 d[2], m[2];
       for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+      const int64_t kb = b * kQBlock;
 #pragma GCC unroll 32
-      for (int e = 0; e < kQBlock; ++e, x += rt) {
+      for (int e = 0; e < kQBlock; ++e) {
         __m256 w[2];
         for (int h = 0; h < 2; ++h) w[h] = expand8<Q>(t, h, e, d[h], m[h]);
         for (int i = 0; i < R; ++i) {
-          const __m256 xv = _mm256_broadcast_ss(x + i);
+          const __m256 xv = _mm256_broadcast_ss(xr[i] + kb + e);
           for (int h = 0; h < 2; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], xv, acc[h][i]);
         }
       }
     }
   } else {
 #pragma GCC unroll 4
-    for (int64_t k = 0; k < a.k; ++k, ws += 16, x += rt) {
+    for (int64_t k = 0; k < a.k; ++k, ws += 16) {
       const __m256 w0 = _mm256_load_ps(ws), w1 = _mm256_load_ps(ws + 8);
       for (int i = 0; i < R; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(x + i);
+        const __m256 xv = _mm256_broadcast_ss(xr[i] + k);
         acc[0][i] = _mm256_fmadd_ps(w0, xv, acc[0][i]);
         acc[1][i] = _mm256_fmadd_ps(w1, xv, acc[1][i]);
       }
@@ -1026,15 +1013,14 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
 }
 
 template <QType Q>
-void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, int64_t i0, int64_t rows,
-              const float* ws) {
+void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, int64_t rows, const float* ws) {
   switch (rows) {
-    case 1: f32_pass<Q, 1>(a, g, t0, rt, i0, ws); break;
-    case 2: f32_pass<Q, 2>(a, g, t0, rt, i0, ws); break;
-    case 3: f32_pass<Q, 3>(a, g, t0, rt, i0, ws); break;
-    case 4: f32_pass<Q, 4>(a, g, t0, rt, i0, ws); break;
-    case 5: f32_pass<Q, 5>(a, g, t0, rt, i0, ws); break;
-    default: f32_pass<Q, 6>(a, g, t0, rt, i0, ws); break;
+    case 1: f32_pass<Q, 1>(a, g, t0, i0, ws); break;
+    case 2: f32_pass<Q, 2>(a, g, t0, i0, ws); break;
+    case 3: f32_pass<Q, 3>(a, g, t0, i0, ws); break;
+    case 4: f32_pass<Q, 4>(a, g, t0, i0, ws); break;
+    case 5: f32_pass<Q, 5>(a, g, t0, i0, ws); break;
+    default: f32_pass<Q, 6>(a, g, t0, i0, ws); break;
   }
 }
 
@@ -1049,7 +1035,7 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
     }
     for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
       const int64_t rt = imin(kF32Rows, a.m - t0);
-      for (int64_t i0 = 0; i0 < rt; i0 += kPassRows) f32_rows<Q>(a, g, t0, rt, i0, imin(kPassRows, rt - i0), ws);
+      for (int64_t i0 = 0; i0 < rt; i0 += kPassRows) f32_rows<Q>(a, g, t0, i0, imin(kPassRows, rt - i0), ws);
     }
   }
 }
@@ -1067,7 +1053,7 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
 }
 #endif
 
-const QuantKernelTable kTable{PS_STR(PAGEDSERVE_QISA), &quantize_rows, &gemm, &pack_x_f32, &gemm_f32};
+const QuantKernelTable kTable{PS_STR(PAGEDSERVE_QISA), &quantize_rows, &gemm, &gemm_f32};
 
 }  // namespace
 

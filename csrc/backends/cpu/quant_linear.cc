@@ -14,6 +14,7 @@
 #include <thread>
 
 #include "core/errors.h"
+#include "huge_pages.h"
 #include "cpu_features.h"
 #include "cpu_isa.h"
 #include "cpu_relax.h"
@@ -79,10 +80,8 @@ struct Scratch {
   std::vector<int32_t> xsum128;
 };
 
-// linear_f32's buffers: the packed activations (the calling thread's, shared
-// with the workers of its call) and each thread's expanded-weight scratch.
+// linear_f32's per-thread expanded-weight scratch.
 struct F32Scratch {
-  std::vector<float> xp;
   std::vector<float> w;
   // 64-byte aligned room for n floats in w
   float* aligned_w(int64_t n) {
@@ -184,7 +183,7 @@ const char* qtype_name(QType q) { return q == QType::kQ4_1 ? "q4_1" : "q8_0"; }
 
 int64_t qtype_block_bytes(QType q) { return q == QType::kQ4_1 ? 20 : 34; }
 
-void QuantizedWeight::Free::operator()(uint8_t* p) const { ::operator delete(p, std::align_val_t(64)); }
+void QuantizedWeight::Free::operator()(uint8_t* p) const { huge_page_free(p); }
 
 namespace {
 
@@ -224,7 +223,8 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(qtype_);
   const int64_t bb = qtype_block_bytes(qtype_);
   nbytes_ = groups * nb * tb;
-  tiles_.reset(static_cast<uint8_t*>(::operator new(static_cast<size_t>(nbytes_), std::align_val_t(64))));
+  // every decode step streams all tiles of a model: huge pages spare the TLB misses (huge_pages.h)
+  tiles_.reset(static_cast<uint8_t*>(huge_page_alloc(static_cast<size_t>(nbytes_))));
   uint8_t* tiles = tiles_.get();
   std::memset(tiles, 0, static_cast<size_t>(nbytes_));  // padding rows: d = m = q = 0
   for (int64_t row = 0; row < n_; ++row) {
@@ -401,25 +401,20 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
                                      const QuantKernelTable& kernels) const {
   if (m <= 0) return;
   const int64_t groups = (n_ + kQRows - 1) / kQRows;
-  // the calling thread's buffers, named through a local reference: the pool's
-  // workers must see its packed activations, and use their own scratch
-  thread_local F32Scratch tls;
-  F32Scratch& s = tls;
-  s.xp.resize(static_cast<size_t>(m * k_));
+  thread_local F32Scratch tls;  // the calling thread's scratch (the pool's workers use their own)
   QuantF32GemmArgs a{};
   a.qtype = qtype_;
   a.w = tiles_.get();
   a.n = n_;
   a.k = k_;
   a.m = m;
-  a.xp = s.xp.data();
+  a.x = x;
   a.bias = bias;
   a.out = out;
   const int64_t scratch_floats = k_ * 2 * kQRows;  // two row groups' expanded weights
-  kernels.pack_x_f32(x, k_, m, 0, m, s.xp.data());
   const int64_t inline_macs = ThreadPool::spin_micros() > 0 ? kInlineF32MacsSpinning : kInlineF32Macs;
   if (num_threads == 1 || m * n_ * k_ < inline_macs) {
-    kernels.gemm_f32(a, 0, groups, 0, m, s.aligned_w(scratch_floats));
+    kernels.gemm_f32(a, 0, groups, 0, m, tls.aligned_w(scratch_floats));
     return;
   }
   std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);

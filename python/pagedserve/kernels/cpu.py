@@ -104,11 +104,21 @@ class CpuAttentionBackend(AttentionBackend):
         KernelArgumentError, a ValueError, on a bad index)."""
         return CpuPlan(self.spec, metadata)
 
+    def allocate_kv_cache(self, num_layers: int) -> torch.Tensor:
+        """The zeroed store, advised for transparent huge pages before it is
+        first written (``_core.cpu.advise_huge_pages``): every decode step
+        reads blocks spread over the whole store, and with 4 KiB pages their
+        TLB misses cost (most in a virtual machine). Where the OS takes no such
+        advice it is an ordinary zeroed tensor."""
+        store = torch.empty((num_layers, *self.kv_cache_shape()), dtype=self.spec.dtype)
+        _core.cpu.advise_huge_pages(store.data_ptr(), store.numel() * store.element_size())
+        return store.zero_()
+
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if key.dtype != k_cache.dtype:
             key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping)
+        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, torch.get_num_threads())
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuPlan,
                         scale: float, sliding_window: int | None = None,

@@ -59,6 +59,10 @@ class GGUFFloatLinear(torch.nn.Module):
         return self.weight_blocks.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_contiguous():
+            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)  # the decode step's case
+            self.weight_blocks.linear_f32(x, out, self.bias, torch.get_num_threads())
+            return out
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > self.max_rows or x2.dtype != torch.float32:
