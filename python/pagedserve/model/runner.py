@@ -99,10 +99,12 @@ class ModelRunner:
             with forward_context(ctx):
                 hidden = self.decoder(input_ids=input_ids[None], position_ids=positions[None],
                                       use_cache=False).last_hidden_state[0]
-        logits = self.compute_logits(hidden[self._to_device(inp.logits_indices)])
+        # index_select, not hidden[idx]: on the CPU advanced indexing runs as a parallel op even for a few rows,
+        # and torch's OpenMP thread it wakes then spins for milliseconds on the core our kernels' next call needs
+        logits = self.compute_logits(hidden.index_select(0, self._to_device(inp.logits_indices)))
         extra = None
         if extra_logits_indices is not None and extra_logits_indices.numel():
-            extra = hidden[extra_logits_indices.to(self.device)]
+            extra = hidden.index_select(0, extra_logits_indices.to(self.device))
         return logits, extra
 
     @torch.inference_mode()
