@@ -894,7 +894,7 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 }
 // ---- exact float32 GEMM, 256-bit (AVX2 + FMA): one row group (two ymm) x up to 6 activation rows ----
 //
-// 2 x R accumulators (R <= 6) of the 16 ymm; a 12-row tile of the packed
+// 2 x R accumulators (R <= 6) of the 16 ymm; a 12-row tile of the
 // activations runs as two passes of up to 6 rows. Per k and half group the
 // expansion is a shift, a mask and a conversion then the fma with d and m
 // (Q4_1; vpermps would index only 8 entries), or a byte shuffle, a conversion
