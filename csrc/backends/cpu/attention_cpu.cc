@@ -28,6 +28,14 @@ void check_caches(const TensorArg& k_cache, const TensorArg& v_cache, int64_t nu
   }
 }
 
+// num_threads within [1, kMaxThreads] (reshape_and_cache, AttentionPlan), or KernelArgumentError.
+void check_num_threads(int num_threads) {
+  if (num_threads < 1 || num_threads > kMaxThreads) {
+    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
+                              std::to_string(num_threads));
+  }
+}
+
 // Elements of a head row one reshape_and_cache work item writes (for every token).
 constexpr int64_t kCacheWriteChunk = 16;
 // Below this many elements (T x Hkv x D, keys and values each) a call writes on
@@ -71,10 +79,7 @@ int64_t kernel_scratch_floats(int64_t group, int64_t head_dim, int64_t block_siz
 void reshape_and_cache(const TensorArg& key, const TensorArg& value, const TensorArg& k_cache,
                        const TensorArg& v_cache, const TensorArg& slot_mapping, int num_threads) {
   k_cache.check_dim(4);
-  if (num_threads < 1 || num_threads > kMaxThreads) {
-    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
-                              std::to_string(num_threads));
-  }
+  check_num_threads(num_threads);
   const int64_t num_blocks = k_cache.size(0), hkv = k_cache.size(1), d = k_cache.size(2), bs = k_cache.size(3);
   if (num_blocks > kMaxBlocks || hkv > kMaxHeads || d > kMaxHeadDim || bs > kMaxBlockSize) {
     throw KernelArgumentError("k_cache's shape is outside the supported bounds");
@@ -117,10 +122,7 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   if (sliding_window < 0) {
     throw KernelArgumentError("sliding_window must be >= 0 (0: none), got " + std::to_string(sliding_window));
   }
-  if (num_threads < 1 || num_threads > kMaxThreads) {
-    throw KernelArgumentError("num_threads must be in [1, " + std::to_string(kMaxThreads) + "], got " +
-                              std::to_string(num_threads));
-  }
+  check_num_threads(num_threads);
   const auto copy = [](const TensorArg& t) {
     const int32_t* p = t.ptr<int32_t>();
     return std::vector<int32_t>(p, p + t.numel());

@@ -59,19 +59,14 @@ class GGUFFloatLinear(torch.nn.Module):
         return self.weight_blocks.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= self.max_rows and x.dtype == torch.float32 and x.is_contiguous():
-            out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)  # the decode step's case
-            self.weight_blocks.linear_f32(x, out, self.bias, torch.get_num_threads())
-            return out
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a decode step's calls are 2-D already
         if x2.shape[0] > self.max_rows or x2.dtype != torch.float32:
             return self.dense(x)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         self.weight_blocks.linear_f32(x2, out, self.bias, torch.get_num_threads())
-        return out.reshape(*lead, self.out_features)
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks | None) -> str | None:
