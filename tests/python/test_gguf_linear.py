@@ -7,6 +7,8 @@ the dense layer, and be refused where it cannot run."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -89,3 +91,69 @@ def test_the_path_is_refused_where_it_cannot_run(gguf, tiny_llama_dir):
     assert why_no_gguf_path(torch.float32, torch.device("cpu"), gguf) is None
     with pytest.raises(ValueError, match="--linear-impl gguf cannot run here"):
         LLM(model=tiny_llama_dir, dtype="float32", linear_impl="gguf", skip_tokenizer_init=True, num_kv_blocks=16)
+
+
+def test_time_cases_times_each_layer_call_with_the_call_after_it():
+    from pagedserve.model.linear import time_cases
+
+    seen = []
+    mod = lambda x: seen.append(("layer", x.shape[0]))  # noqa: E731
+    after_calls = []
+
+    def after():
+        after_calls.append(len(seen))
+        time.sleep(0.002)
+
+    ms = time_cases([(mod, torch.zeros(8, 4), 3)], rows=(1, 8), seconds_per_case=0.005, after=after)
+    # each timed call is the layer then `after`: `after` runs right behind every layer call, and its 2 ms
+    # count in the time of a pass (3 layers of the shape)
+    assert after_calls == list(range(1, len(seen) + 1))
+    assert {r for _, r in seen} == {1, 8}
+    assert all(v >= 3 * 2.0 for v in ms.values()), ms
+    plain = time_cases([(mod, torch.zeros(8, 4), 3)], rows=(1, 8), seconds_per_case=0.005)
+    assert all(v < 3 * 2.0 for v in plain.values()), plain
+
+
+def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_between(gguf, smollm2_dir, monkeypatch):
+    """tune() must time both paths as a decode step runs them: every layer call followed by one of our thread
+    pool's kernels (a dense GEMM on torch's OpenMP threads leaves them spinning on the cores the pool needs)."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve import _core
+    from pagedserve.model import gguf_linear
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
+    builder([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
+    kernel_calls = []
+    real = _core.cpu.reshape_and_cache
+
+    class Cpu:  # _core.cpu with reshape_and_cache observed
+        def __getattr__(self, name):
+            return getattr(_core.cpu, name)
+
+        @staticmethod
+        def reshape_and_cache(key, value, k_cache, v_cache, slots, num_threads=1):
+            kernel_calls.append((key.shape, num_threads))
+            real(key, value, k_cache, v_cache, slots, num_threads)
+            assert torch.equal(k_cache[0, :, :, 0], key[0]) and torch.equal(v_cache[1, :, 0], value[16])
+
+    class Core:
+        cpu = Cpu()
+
+    timed = []
+    real_time_cases = gguf_linear.time_cases
+
+    def spy(cases, rows, after=None, **kw):
+        assert after is not None, "a path was timed without the pool kernel between its calls"
+        before = len(kernel_calls)
+        out = real_time_cases(cases, rows, after=after, **kw)
+        timed.append(len(kernel_calls) - before)
+        return out
+
+    monkeypatch.setattr(gguf_linear, "_core", Core())
+    monkeypatch.setattr(gguf_linear, "time_cases", spy)
+    ms = builder.tune(rows=(1, 4), rounds=1)
+    assert set(ms) == {"gguf", "dense"} and len(timed) == 2 and all(n > 0 for n in timed)
+    # large enough to go parallel (T * Hkv * D >= 4096), on the engine's threads
+    assert all(shape[0] * shape[1] * shape[2] >= 4096 and t == torch.get_num_threads() for shape, t in kernel_calls)

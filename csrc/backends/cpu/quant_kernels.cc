@@ -946,10 +946,10 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
   _mm256_storeu_ps(a.out + r * a.n + c0, v);
 }
 
-// Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row
-// group g; ws: nullptr (expand in registers) or f32_expand's weights.
+// Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row group g,
+// the weights expanded in registers (one pass over the group: R <= 6 rows).
 template <QType Q, int R>
-void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
+void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
@@ -961,39 +961,74 @@ void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, cons
   for (int h = 0; h < 2; ++h) {
     for (int i = 0; i < R; ++i) acc[h][i] = _mm256_setzero_ps();
   }
-  if (ws == nullptr) {
-    for (int64_t b = 0; b < nb; ++b, t += kTile) {
-      if (pf != nullptr) {
-        for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
-        pf += kTile;
-      }
-      __m256 d[2], m[2];
-      for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
-      const int64_t kb = b * kQBlock;
-#pragma GCC unroll 32
-      for (int e = 0; e < kQBlock; ++e) {
-        __m256 w[2];
-        for (int h = 0; h < 2; ++h) w[h] = expand8<Q>(t, h, e, d[h], m[h]);
-        for (int i = 0; i < R; ++i) {
-          const __m256 xv = _mm256_broadcast_ss(xr[i] + kb + e);
-          for (int h = 0; h < 2; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], xv, acc[h][i]);
-        }
-      }
+  for (int64_t b = 0; b < nb; ++b, t += kTile) {
+    if (pf != nullptr) {
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+      pf += kTile;
     }
-  } else {
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < a.k; ++k, ws += 16) {
-      const __m256 w0 = _mm256_load_ps(ws), w1 = _mm256_load_ps(ws + 8);
+    __m256 d[2], m[2];
+    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+    const int64_t kb = b * kQBlock;
+#pragma GCC unroll 32
+    for (int e = 0; e < kQBlock; ++e) {
+      __m256 w[2];
+      for (int h = 0; h < 2; ++h) w[h] = expand8<Q>(t, h, e, d[h], m[h]);
       for (int i = 0; i < R; ++i) {
-        const __m256 xv = _mm256_broadcast_ss(xr[i] + k);
-        acc[0][i] = _mm256_fmadd_ps(w0, xv, acc[0][i]);
-        acc[1][i] = _mm256_fmadd_ps(w1, xv, acc[1][i]);
+        const __m256 xv = _mm256_broadcast_ss(xr[i] + kb + e);
+        for (int h = 0; h < 2; ++h) acc[h][i] = _mm256_fmadd_ps(w[h], xv, acc[h][i]);
       }
     }
   }
   for (int i = 0; i < R; ++i) {
     for (int h = 0; h < 2; ++h) store_row_f32(a, t0 + i0 + i, g * kQRows + 8 * h, acc[h][i]);
   }
+}
+
+// The same rows from f32_expand's ws. Its own function, with the trip count
+// in a local: sharing the accumulators with f32_pass_direct's loop made GCC
+// keep them in memory and store all 12 after every k (measured: 65 GF/s a
+// core, half the FMA peak, on a 6-row pass).
+template <int R>
+void f32_pass_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
+  const int64_t k_end = a.k;
+  const float* xr[R];  // x[t0 + i0 + i, k] at xr[i][k]
+  for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i0 + i) * a.k;
+  __m256 acc0[R], acc1[R];
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+  for (int64_t k = 0; k < k_end; ++k, ws += 16) {
+    const __m256 w0 = _mm256_load_ps(ws), w1 = _mm256_load_ps(ws + 8);
+#pragma GCC unroll 8
+    for (int i = 0; i < R; ++i) {
+      const __m256 xv = _mm256_broadcast_ss(xr[i] + k);
+      acc0[i] = _mm256_fmadd_ps(w0, xv, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(w1, xv, acc1[i]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < R; ++i) {
+    store_row_f32(a, t0 + i0 + i, g * kQRows, acc0[i]);
+    store_row_f32(a, t0 + i0 + i, g * kQRows + 8, acc1[i]);
+  }
+}
+
+// Up to kF32DirectRows rows expand in registers: 2 x 4 accumulators, the
+// scales, the expanded pair and the broadcast take the 16 ymm (with 6 rows
+// GCC spilled accumulators in the unrolled loop: 14.3 ms per decoder pass at
+// 6 rows against 6.7 at 4, 2 threads); more rows go through f32_expand.
+constexpr int kF32DirectRows = 4;
+
+// ws: nullptr (expand in registers; R <= kF32DirectRows) or f32_expand's weights.
+template <QType Q, int R>
+void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
+  if constexpr (R <= kF32DirectRows) {
+    if (ws == nullptr) {
+      f32_pass_direct<Q, R>(a, g, t0, i0);
+      return;
+    }
+  }
+  f32_pass_scratch<R>(a, g, t0, i0, ws);
 }
 
 // ws[16 k + 8 h + j] = the weight of row 16 g + 8 h + j, element k.
@@ -1024,18 +1059,21 @@ void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, int6
   }
 }
 
+// A tile's rows run as passes of equal size (8 rows: 4 + 4, not 6 + 2, whose
+// 4 accumulators cannot cover the FMA latency).
 template <QType Q>
 void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   constexpr int64_t kPassRows = kF32Rows / 2;
   for (int64_t g = g0; g < g1; ++g) {
     const float* ws = nullptr;
-    if (m1 - m0 > kPassRows) {  // more than one pass: expand the group once
+    if (m1 - m0 > kF32DirectRows) {  // expand the group once for all passes
       f32_expand<Q>(a, g, scratch);
       ws = scratch;
     }
     for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
-      const int64_t rt = imin(kF32Rows, a.m - t0);
-      for (int64_t i0 = 0; i0 < rt; i0 += kPassRows) f32_rows<Q>(a, g, t0, i0, imin(kPassRows, rt - i0), ws);
+      const int64_t rt = imin(kF32Rows, a.m - t0), passes = (rt + kPassRows - 1) / kPassRows;
+      const int64_t per_pass = (rt + passes - 1) / passes;
+      for (int64_t i0 = 0; i0 < rt; i0 += per_pass) f32_rows<Q>(a, g, t0, i0, imin(per_pass, rt - i0), ws);
     }
   }
 }

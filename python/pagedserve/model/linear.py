@@ -27,6 +27,7 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -243,11 +244,15 @@ def path_cases(impl: str, shapes, dtype: torch.dtype, rows=CHOOSER_ROWS,
 
 
 @torch.inference_mode()
-def time_cases(cases, rows=CHOOSER_ROWS, seconds_per_case: float = 0.01) -> dict[int, float]:
+def time_cases(cases, rows=CHOOSER_ROWS, seconds_per_case: float = 0.01,
+               after: Callable[[], object] | None = None) -> dict[int, float]:
     """Milliseconds one pass over the model's linear layers takes with path_cases'
     ``cases`` at each row count ({rows: ms}; each distinct shape timed once,
-    counted as often as the model has it)."""
-    return {r: sum(count * _time_ms(lambda: mod(x[:r]), seconds_per_case) for mod, x, count in cases)
+    counted as often as the model has it). ``after``: called after each layer
+    call and timed with it (what the step runs between two GEMMs)."""
+    def call(mod, x):
+        return (lambda: mod(x)) if after is None else (lambda: (mod(x), after()))
+    return {r: sum(count * _time_ms(call(mod, x[:r]), seconds_per_case) for mod, x, count in cases)
             for r in rows}
 
 
