@@ -125,26 +125,13 @@ class ModelRunner:
         return logits.float().cpu()
 
     @torch.inference_mode()
-    def startup_check(self, ids: torch.Tensor, reference: torch.Tensor, noise: float = 0.0,
-                      quantized: bool = False) -> StartupCheck:
-        """Runs check_prompt's tokens through the engine's path — a prefill of
-        all but the last into block 0.. (which no sequence holds yet), then one
-        decode step that reads them back from the paged store — and compares the
-        logits with ``reference`` (hf_reference_logits of the model as loaded,
-        before the engine changed anything). Any kernel or GEMM path that cannot
-        run here fails now, not at the first request. Raises whatever the steps
-        raise.
-
-        Args:
-            ids: [n + 1] int64 token ids.
-            reference: [n + 1, vocab] float32 logits of the Hugging Face forward.
-            noise: the spread of Hugging Face's own attention implementations on
-                this prompt (bfloat16), added to the tolerance.
-            quantized: the linear layers run on quantised weights and int8
-                activations (--quantization): the check then only catches gross
-                errors (a wrong block order, a broken kernel); accuracy is
-                measured by bench/throughput.py --quantization.
-        """
+    def check_logits(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, set]:
+        """The start-up check's two steps on ``ids`` ([n + 1] int64): a prefill of
+        the first n tokens into blocks 0.. (which no sequence holds yet), then one
+        decode step of the last that reads them back from the paged store.
+        Returns (logits [n + 1, vocab] float32 on the CPU, the attention layers
+        the prefill ran, their sliding windows). Raises RuntimeError on a
+        non-finite logit, and whatever the steps raise."""
         n, bs = ids.numel() - 1, self.kv_cache.block_size
         blocks = np.arange((n + 1 + bs - 1) // bs, dtype=np.int32)[None, :]
 
@@ -162,6 +149,29 @@ class ModelRunner:
         got = torch.cat(ours)
         if not bool(torch.isfinite(got).all()):
             raise RuntimeError("the start-up check step produced non-finite logits")
+        return got, layers, windows
+
+    @torch.inference_mode()
+    def startup_check(self, ids: torch.Tensor, reference: torch.Tensor, noise: float = 0.0,
+                      quantized: bool = False) -> StartupCheck:
+        """Runs check_prompt's tokens through the engine's path (check_logits:
+        a prefill, then a decode step that reads it back from the paged store)
+        and compares the logits with ``reference`` (hf_reference_logits of the model as loaded,
+        before the engine changed anything). Any kernel or GEMM path that cannot
+        run here fails now, not at the first request. Raises whatever the steps
+        raise.
+
+        Args:
+            ids: [n + 1] int64 token ids.
+            reference: [n + 1, vocab] float32 logits of the Hugging Face forward.
+            noise: the spread of Hugging Face's own attention implementations on
+                this prompt (bfloat16), added to the tolerance.
+            quantized: the linear layers run on quantised weights and int8
+                activations (--quantization): the check then only catches gross
+                errors (a wrong block order, a broken kernel); accuracy is
+                measured by bench/throughput.py --quantization.
+        """
+        got, layers, windows = self.check_logits(ids)
         # float32 paths differ only in summation order; bfloat16 rounds every product, and its error grows
         # with depth (seen: 0.24 at 24 layers, 0.34 at 48 on tiny random models whose logits reach ~4), so in
         # bfloat16 the check catches only gross mismatches; float32 is the precise one
