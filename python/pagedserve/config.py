@@ -112,12 +112,11 @@ class EngineArgs:
             if not (v is None and f.type.endswith("| None")) and (
                     not isinstance(v, kind) or (kind is not bool and isinstance(v, bool))):
                 raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"dtype must be 'auto', 'float32' or 'bfloat16', got '{self.dtype}'")
-        for name, allowed in (("linear_impl", ("auto", "torch", "onednn", "gguf")), ("quantization", ("none", "q4", "int8")),
-                              ("model_impl", ("auto", "pagedserve", "transformers"))):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got '{getattr(self, name)}'")
+        for f in dataclasses.fields(self):  # the fixed choices of the CLI's own flags
+            allowed = f.metadata.get("cli", {}).get("choices") if f.metadata else None
+            if isinstance(allowed, list) and getattr(self, f.name) not in allowed:
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, "
+                                 f"got {getattr(self, f.name)!r}")
         try:
             torch.device(self.device)
         except RuntimeError as e:
@@ -130,8 +129,6 @@ class EngineArgs:
         if not 0.0 < self.high_watermark <= 1.0:
             raise ValueError(f"high_watermark must be in (0, 1], got {self.high_watermark}")
         self.watermark, self.high_watermark = float(self.watermark), float(self.high_watermark)
-        if self.block_size not in (16, 32):
-            raise ValueError(f"block_size must be 16 or 32, got {self.block_size}")
         try:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         except argparse.ArgumentTypeError as e:

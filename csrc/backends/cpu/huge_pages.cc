@@ -21,7 +21,8 @@ constexpr size_t kAlign = 64;
 
 struct Chunk {
   char* base;
-  size_t size, used;
+  size_t size;
+  size_t used;   // bytes handed out from base (shared chunks only)
   int64_t live;  // allocations not yet freed
   bool shared;   // takes small allocations (else one large one)
 };
@@ -84,7 +85,6 @@ void* huge_page_alloc(size_t nbytes) {
   std::lock_guard<std::mutex> lock(a.mu);
   if (size > kChunkBytes / 2) {  // a chunk of its own, put before the current shared chunk
     Chunk c = new_chunk(round_up(size, kHugePageBytes), false);
-    c.used = size;
     c.live = 1;
     const bool shared_last = !a.chunks.empty() && a.chunks.back().shared;
     a.chunks.insert(shared_last ? a.chunks.end() - 1 : a.chunks.end(), c);

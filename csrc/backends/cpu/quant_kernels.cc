@@ -445,7 +445,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
 // group's first pass has brought its tiles in, the other passes find them in L1).
 template <QType Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
-  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  constexpr int64_t kTile = tile_bytes_of<Q>();
   // cache lines per tile: 320 bytes from a 64-byte boundary (Q4_1); 544 bytes
   // from offset 0 or 32 (Q8_0): 9 lines at pf + 64 j either way
   constexpr int kLines = (kTile + 63) / 64;
@@ -497,7 +497,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 // waiting on L3 / memory).
 template <QType Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
@@ -784,7 +784,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
 // AVX-512 pass.
 template <QType Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
-  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, m = a.m;
   const uint8_t* t = a.w + g * nb * kTile;
@@ -866,7 +866,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
 // The first pass over a group prefetches the next one (as in the AVX-512 gemm).
 template <QType Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  constexpr int64_t kTile = Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
