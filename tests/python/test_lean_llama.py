@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.lean_llama import LeanLlamaDecoder, why_not_lean
@@ -39,7 +39,7 @@ def lean_and_reference(model_dir: str, dtype: str = "float32", **kwargs):
     return lean, ref
 
 
-def logits_gap(lean: LLM, ref: LLM, model_dir: str, n: int = 8) -> float:
+def logits_gap(lean: LLM, ref: LLM, n: int = 8) -> float:
     """Largest |lean logit - reference logit| over a prefill of n tokens and one
     decode step that reads them back from the paged store (float32), the
     reference being the Hugging Face modules on the same GEMM path. (Against
@@ -49,8 +49,7 @@ def logits_gap(lean: LLM, ref: LLM, model_dir: str, n: int = 8) -> float:
     modules on both sides, while lean against those modules on oneDNN differed
     by 5.1e-5. The engine's start-up check compares with that model, at a
     tolerance relative to the logits.)"""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = check_prompt(hf.config.vocab_size, 16, 64)[: n + 1]
+    ids = check_prompt(lean.engine.model.config.vocab_size, 16, 64)[: n + 1]
     got = lean.engine.runner.check_logits(ids)[0]
     want = ref.engine.runner.check_logits(ids)[0]
     assert ref.engine.runner.lean is None and lean.engine.linear_impl == ref.engine.linear_impl
@@ -74,7 +73,7 @@ def test_lean_equals_transformers_on_tiny_llamas(tmp_path, overrides):
     got = [o.outputs[0].token_ids for o in lean.generate(ps, GREEDY, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in ref.generate(ps, GREEDY, use_tqdm=False)]
     assert got == want
-    assert logits_gap(lean, ref, model_dir) <= 1e-4
+    assert logits_gap(lean, ref) <= 1e-4
 
 
 @pytest.mark.parametrize("impl", ["torch", "onednn"])
@@ -84,7 +83,7 @@ def test_lean_equals_transformers_on_smollm2(smollm2_dir, impl):
     got = [o.outputs[0].token_ids for o in lean.generate(ps, GREEDY, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in ref.generate(ps, GREEDY, use_tqdm=False)]
     assert got == want
-    assert logits_gap(lean, ref, smollm2_dir) <= 1e-4
+    assert logits_gap(lean, ref) <= 1e-4
 
 
 def test_lean_in_bfloat16_agrees_with_transformers_in_bfloat16(tmp_path):

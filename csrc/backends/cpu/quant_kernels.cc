@@ -947,7 +947,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
 }
 
 // Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row group g,
-// the weights expanded in registers (one pass over the group: R <= 6 rows).
+// the weights expanded in registers (R <= kF32DirectRows, see f32_pass).
 template <QType Q, int R>
 void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
