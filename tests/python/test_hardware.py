@@ -34,24 +34,24 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(x == y for x, y in pairs) / len(pairs)
 
 
-def test_dtype_auto_resolves_from_this_cpu(tiny_llama_dir):
+def test_dtype_auto_is_float32_the_exact_path_on_every_cpu(tiny_llama_dir):
     caps = hardware.cpu_capabilities()
-    want = torch.bfloat16 if caps.native_bf16 else torch.float32
     dtype, why = hardware.resolve_dtype("auto")
     print(f"this CPU: {caps.arch}, native bf16 {caps.native_bf16}, kernel variant {_core.cpu.kernel_isa()} -> {dtype}")
-    assert dtype == want and why.startswith("auto:")
+    assert dtype == torch.float32 and why.startswith("auto: float32, the exact path")
     assert caps.native_bf16 == any(f in caps.features for f in ("avx512_bf16", "amx_bf16", "bf16"))
     llm = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16)  # dtype auto is the default
-    assert llm.engine.dtype == want and llm.engine.kv_cache.store.dtype == want
+    assert llm.engine.dtype == torch.float32 and llm.engine.kv_cache.store.dtype == torch.float32
 
 
-def test_dtype_auto_follows_the_capabilities(monkeypatch):
+def test_dtype_auto_stays_float32_where_the_cpu_has_bfloat16_and_says_how_to_opt_in(monkeypatch):
     fake_caps(monkeypatch, native_bf16=False, features=("avx", "avx2", "fma"))
-    assert hardware.resolve_dtype("auto") == (torch.float32, "auto: the CPU has no native bfloat16 arithmetic "
-                                              "(no avx512_bf16, AMX-BF16 or Arm BF16)")
+    assert hardware.resolve_dtype("auto") == (torch.float32, "auto: float32, the exact path (this CPU has no "
+                                              "native bfloat16 arithmetic)")
     fake_caps(monkeypatch, native_bf16=True, features=("avx2", "avx512_bf16"))
     dtype, why = hardware.resolve_dtype("auto")
-    assert dtype == torch.bfloat16 and "avx512_bf16" in why
+    assert dtype == torch.float32 and "avx512_bf16" in why and "--dtype bfloat16" in why
+    assert hardware.resolve_dtype("bfloat16") == (torch.bfloat16, "asked for")
     assert hardware.resolve_dtype("float32")[0] == torch.float32
 
 

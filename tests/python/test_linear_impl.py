@@ -11,13 +11,35 @@ import pytest
 import torch
 
 from pagedserve import LLM, hardware
-from pagedserve.model import linear
+from pagedserve.model import linear, tuner
 from pagedserve.model.linear import CHOOSER_ROWS, OneDNNLinear, choose_linear_impl
+
+
+class QuietProbe(tuner.LoadProbe):
+    """A load probe that reports an idle machine."""
+
+    def share(self) -> float:
+        return 0.0
+
+
+class SteadyClock:
+    """A clock that moves ``step`` seconds per reading: every timed call takes the same time."""
+
+    def __init__(self, step: float = 1e-3) -> None:
+        self.t, self.step = 0.0, step
+
+    def __call__(self) -> float:
+        self.t += self.step
+        return self.t
 
 
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    # whether a choice is cached must not depend on how quiet the test machine is: a clock whose rounds agree
+    # and an idle load probe (the tests of the noise rules inject theirs)
+    monkeypatch.setattr(tuner, "LoadProbe", QuietProbe)
+    monkeypatch.setattr(tuner, "now", SteadyClock())
     return tmp_path
 
 
@@ -72,7 +94,7 @@ def test_the_choice_is_cached_per_machine_and_reused_without_measuring(cache, mo
     def no_timing(*args, **kwargs):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(linear, "time_cases", no_timing)
+    monkeypatch.setattr(tuner, "time_cases", no_timing)
     again = choose_linear_impl(small_model(), torch.float32, "cpu")
     assert again.cached and again.impl == first.impl
     # other shapes are another entry: measured, not read (here every measurement fails, so nothing is chosen)
@@ -81,12 +103,11 @@ def test_the_choice_is_cached_per_machine_and_reused_without_measuring(cache, mo
 
 
 def test_a_named_path_is_used_without_measuring_and_refused_where_it_cannot_run(cache, monkeypatch):
-    monkeypatch.setattr(linear, "time_cases", lambda *a, **k: pytest.fail("measured"))
+    monkeypatch.setattr(tuner, "time_cases", lambda *a, **k: pytest.fail("measured"))
     assert choose_linear_impl(small_model(), torch.float32, "cpu", "torch").impl == "torch"
     assert choose_linear_impl(small_model(), torch.float32, "cpu", "onednn").impl == "onednn"
     fake = hardware.CpuCapabilities(arch="x86_64", features=("avx2",), native_bf16=False, onednn_bf16=False)
     monkeypatch.setattr(hardware, "cpu_capabilities", lambda: fake)
-    monkeypatch.setattr(linear, "cpu_capabilities", lambda: fake)
     with pytest.raises(ValueError, match="--linear-impl onednn cannot run here: oneDNN's bfloat16 linear needs"):
         choose_linear_impl(small_model(), torch.bfloat16, "cpu", "onednn")
     # auto with one path left takes it, and says why the other is out
@@ -142,3 +163,75 @@ def test_a_malformed_cache_is_measured_again_not_an_error(cache, content):
     choice = choose_linear_impl(small_model(), torch.float32, "cpu")
     assert not choice.cached and choice.impl in linear.LINEAR_IMPLS
     assert choose_linear_impl(small_model(), torch.float32, "cpu").cached  # and the file is whole again
+
+
+def test_a_noisy_measurement_decides_this_start_but_is_never_cached(cache):
+    """Rounds that disagree (an injected timer that slows down as it goes, as on a machine that gets busier) are
+    measured again up to max_rounds; if they still disagree the choice is used once and not cached."""
+
+    class SlowingClock(SteadyClock):
+        n = 0
+
+        def __call__(self) -> float:  # each call takes 1.5x longer every 200 readings: no two rounds agree
+            self.n += 1
+            self.t += self.step * 1.5 ** (self.n // 200)
+            return self.t
+
+    first = choose_linear_impl(small_model(), torch.float32, "cpu", clock=SlowingClock())
+    assert first.impl in linear.LINEAR_IMPLS and not first.cached
+    assert "not cached: its rounds disagree" in first.reason
+    assert not (cache / "linear_impl.json").exists()
+    again = choose_linear_impl(small_model(), torch.float32, "cpu")  # the steady clock: trusted, cached
+    assert not again.cached and "not cached" not in again.reason
+    assert choose_linear_impl(small_model(), torch.float32, "cpu").cached
+
+
+def test_a_measurement_while_other_processes_ran_is_not_cached(cache):
+    class BusyProbe(tuner.LoadProbe):
+        def share(self) -> float:
+            return 0.8  # another process took 80% of a core while the chooser measured
+
+    choice = choose_linear_impl(small_model(), torch.float32, "cpu", probe=BusyProbe())
+    assert "not cached: other processes used 80% of a core" in choice.reason
+    assert not (cache / "linear_impl.json").exists()
+
+
+def test_the_cache_records_the_cpu_and_library_versions_it_holds_for(cache, monkeypatch):
+    choose_linear_impl(small_model(), torch.float32, "cpu")
+    (entry,) = json.loads((cache / "linear_impl.json").read_text()).values()
+    m = entry["machine"]
+    assert m["torch"] == torch.__version__ and m["threads"] == torch.get_num_threads()
+    assert {"cpu", "features", "kernel_isa", "onednn", "mkl", "pagedserve"} <= set(m)
+    assert entry["for"]["dtype"] == "torch.float32" and entry["spread"] and entry["rounds"] >= 3
+    # another library version is another machine: measured again, not read
+    monkeypatch.setattr(tuner, "library_versions", lambda: {**m, "onednn": "0.0-other"})
+    assert not choose_linear_impl(small_model(), torch.float32, "cpu").cached
+
+
+def test_the_load_probe_sees_another_process_spin():
+    """The real probe: a busy loop in another process while we sleep shows up as other load."""
+    import subprocess
+    import sys
+    import time
+
+    probe = tuner.LoadProbe()
+    probe.start()
+    time.sleep(0.3)
+    idle = probe.share()
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt=time.time()\nwhile time.time()-t<1.5: pass"])
+    try:
+        time.sleep(0.2)
+        probe.start()
+        time.sleep(0.8)
+        busy = probe.share()
+    finally:
+        spinner.wait()
+    if not _proc_stat():
+        pytest.skip("no /proc/stat here: the probe reports 0 and only the rounds' spread guards the cache")
+    assert busy > 0.5 and busy > idle, (idle, busy)
+
+
+def _proc_stat() -> bool:
+    import os
+
+    return os.path.exists("/proc/stat")

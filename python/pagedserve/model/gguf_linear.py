@@ -19,11 +19,12 @@ de-quantised blocks equal the model's float32 weights bit for bit.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
 from .. import _core
-from .linear import time_cases
+from . import tuner
 from .quantization import GGUFBlocks
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,21 @@ logger = logging.getLogger(__name__)
 TUNE_ROWS = (1, 8, 32, 128)
 # Calls of up to this many rows take the GGUF path when it is asked for by name (no measurement).
 FORCED_MAX_ROWS = 128
+CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
+
+
+@dataclass
+class GGUFTuning:
+    """What GGUFLinearBuilder.tune decided from.
+
+    Attributes:
+        ms: {"gguf": {rows: ms}, "dense": {rows: ms}}: one pass over the layers
+            on each path (from the cache when the result was cached).
+        source: "measured", "measured, not cached: <why>" or where the cached result came from.
+    """
+
+    ms: dict
+    source: str
 
 
 class GGUFFloatLinear(torch.nn.Module):
@@ -149,13 +165,15 @@ class GGUFLinearBuilder:
         return layer
 
     @torch.inference_mode()
-    def tune(self, rows=TUNE_ROWS, rounds: int = 3) -> dict[str, dict[int, float]]:
+    def tune(self, rows=TUNE_ROWS, rounds: int = 3, max_rounds: int = 6, use_cache: bool = True,
+             clock: tuner.Clock | None = None, probe: tuner.LoadProbe | None = None) -> GGUFTuning:
         """Measures, on the first layer of each distinct shape (counted as often as
         the model has it), one pass over the layers on the blocks and on the dense
-        path at each row count (best of ``rounds`` alternating rounds), and sets
-        every layer's max_rows to the largest measured row count up to which the
-        blocks were faster at every count (0: never). Returns {"gguf": {rows:
-        ms}, "dense": {rows: ms}}.
+        path at each row count (tuner.measure: alternating rounds, best of each),
+        and sets every layer's max_rows to the largest measured row count up to
+        which the blocks were faster at every count (0: never). The result is
+        cached per machine and shape set by the tuner's rules (never a noisy
+        measurement); a cached one is applied without measuring.
 
         Each layer call is timed together with a call of our thread pool after
         it (step_kernel_between), as in a decode step, where our attention and
@@ -166,6 +184,13 @@ class GGUFLinearBuilder:
         by_shape: dict[tuple[int, int], list[GGUFFloatLinear]] = {}
         for layer in self.layers:
             by_shape.setdefault((layer.in_features, layer.out_features), []).append(layer)
+        what = {"shapes": sorted([k, n, len(v), v[0].weight_blocks.qtype] for (k, n), v in by_shape.items()),
+                "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()})}
+        cache = tuner.TunerCache(CACHE_NAME)
+        entry = cache.get(what) if use_cache else None
+        if entry is not None and isinstance(entry.get("max_rows"), int):
+            self.set_max_rows(entry["max_rows"])
+            return GGUFTuning(entry.get("ms", {}), f"measured on this machine before ({cache.path})")
         g = torch.Generator().manual_seed(0)
         gguf_cases, dense_cases = [], []
         for (k, _), layers in by_shape.items():
@@ -173,19 +198,19 @@ class GGUFLinearBuilder:
             layers[0].max_rows = max(rows)
             gguf_cases.append((layers[0], x, len(layers)))
             dense_cases.append((layers[0].dense, x, len(layers)))
-        between = step_kernel_between(torch.get_num_threads())
-        ms: dict[str, dict[int, float]] = {}
-        for _ in range(rounds):
-            for name, cases in (("gguf", gguf_cases), ("dense", dense_cases)):
-                got = time_cases(cases, rows, after=between)
-                ms[name] = {r: min(got[r], ms.get(name, got)[r]) for r in rows}
+        measured = tuner.measure({"gguf": gguf_cases, "dense": dense_cases}, rows, rounds=rounds,
+                                 max_rounds=max_rounds, after=step_kernel_between(torch.get_num_threads()),
+                                 clock=clock, probe=probe)
+        ms = measured.ms
         max_rows = 0
         for r in sorted(rows):
             if ms["gguf"][r] >= ms["dense"][r]:
                 break
             max_rows = r
         self.set_max_rows(max_rows)
-        return ms
+        if use_cache:
+            cache.put(what, {"max_rows": max_rows, "ms": ms}, measured)
+        return GGUFTuning(ms, "measured" if measured.trusted else f"measured, not cached: {measured.why_not}")
 
     def set_max_rows(self, max_rows: int) -> None:
         """Sets every built layer's max_rows (rows; 0: the blocks are never used)."""

@@ -14,31 +14,28 @@ AVX-512 machine oneDNN's packed path beat the default at decode sizes; on an
 AVX2-only machine it was slower (the issue that asked for this chooser
 measured 67.8 vs 101.8 tok/s). So the chooser times the model's own linear
 shapes at 1, 8, 32 and 128 rows on each path that runs here, refuses a path
-that raises or computes something else, and keeps the fastest; the result is
-cached per machine (CPU model and features, torch version, threads, dtype,
-shapes) in ``$PAGEDSERVE_CACHE/linear_impl.json``.
+that raises or computes something else, and keeps the fastest. Timing and
+caching are the tuner's (pagedserve.model.tuner): the result is cached per
+machine, CPU and library versions in ``$PAGEDSERVE_CACHE/linear_impl.json``,
+unless the measurement was noisy.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-import os
-import platform
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..hardware import cpu_capabilities, onednn_linear_unsupported
+from ..hardware import onednn_linear_unsupported
+from . import tuner
 
 logger = logging.getLogger(__name__)
 
 LINEAR_IMPLS = ("torch", "onednn")
 CHOOSER_ROWS = (1, 8, 32, 128)
+CACHE_NAME = "linear_impl"  # $PAGEDSERVE_CACHE/linear_impl.json
 
 
 def padded_rows(m: int) -> int:
@@ -157,61 +154,9 @@ def linear_shapes(model: torch.nn.Module) -> list[tuple[int, int, bool, int]]:
                         for m in model.modules() if type(m) is torch.nn.Linear)
 
 
-def _machine_key(dtype: torch.dtype, shapes) -> str:
-    caps = cpu_capabilities()
-    model_name = ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model_name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        model_name = platform.processor()
-    text = json.dumps([model_name, caps.arch, sorted(caps.features), torch.__version__,
-                       torch.get_num_threads(), str(dtype), shapes])
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def cache_path() -> Path:
     """Where chosen paths are kept: ``$PAGEDSERVE_CACHE/linear_impl.json``."""
-    from .loader import cache_dir
-
-    return cache_dir() / "linear_impl.json"
-
-
-def _read_cache() -> dict:
-    """The cache's entries ({key: {"impl": name, ...}}); a missing, unreadable or
-    malformed file, or a malformed entry, counts as absent (measured again)."""
-    try:
-        data = json.loads(cache_path().read_text())
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {k: v for k, v in data.items() if isinstance(v, dict) and isinstance(v.get("impl"), str)}
-
-
-def _write_cache(key: str, entry: dict) -> None:
-    path = cache_path()
-    data = _read_cache()
-    data[key] = entry
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only home only costs a re-measurement next time
-        logger.warning("could not cache the linear path choice in %s: %s", path, e)
-
-
-def _time_ms(fn, min_seconds: float) -> float:
-    """Best per-call milliseconds of fn() over repeated calls for about min_seconds."""
-    fn()  # first call: one-off costs (kernel selection, page faults)
-    best, spent = float("inf"), 0.0
-    while spent < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        best, spent = min(best, dt), spent + dt
-    return best * 1e3
+    return tuner.TunerCache(CACHE_NAME).path
 
 
 @torch.inference_mode()
@@ -243,22 +188,10 @@ def path_cases(impl: str, shapes, dtype: torch.dtype, rows=CHOOSER_ROWS,
     return cases
 
 
-@torch.inference_mode()
-def time_cases(cases, rows=CHOOSER_ROWS, seconds_per_case: float = 0.01,
-               after: Callable[[], object] | None = None) -> dict[int, float]:
-    """Milliseconds one pass over the model's linear layers takes with path_cases'
-    ``cases`` at each row count ({rows: ms}; each distinct shape timed once,
-    counted as often as the model has it). ``after``: called after each layer
-    call and timed with it (what the step runs between two GEMMs)."""
-    def call(mod, x):
-        return (lambda: mod(x)) if after is None else (lambda: (mod(x), after()))
-    return {r: sum(count * _time_ms(call(mod, x[:r]), seconds_per_case) for mod, x, count in cases)
-            for r in rows}
-
-
 def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | str = "cpu",
                        requested: str = "auto", use_cache: bool = True, rounds: int = 3,
-                       shapes: list[tuple[int, int, bool, int]] | None = None) -> LinearChoice:
+                       shapes: list[tuple[int, int, bool, int]] | None = None, clock: tuner.Clock | None = None,
+                       probe: tuner.LoadProbe | None = None) -> LinearChoice:
     """Decides the GEMM path of ``model``'s linear layers (does not apply it).
 
     ``requested`` is "auto" or one of LINEAR_IMPLS. A named path that cannot
@@ -268,9 +201,12 @@ def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch
     of ``rounds`` rounds that alternate the paths — and
     keeps the one with the smallest mean slowdown against the best path at each
     row count; a path that raises or computes something else is refused and
-    never chosen. The result is cached per machine (cache_path()). ``shapes``:
-    the (in_features, out_features, has_bias, count) the engine will run
-    (linear_shapes' form; default: the model's own nn.Linear layers).
+    never chosen. The result is cached per machine (cache_path(); the tuner
+    module's rules: a noisy measurement or one taken while other processes ran
+    decides this start only). ``shapes``: the (in_features, out_features,
+    has_bias, count) the engine will run (linear_shapes' form; default: the
+    model's own nn.Linear layers). ``clock``, ``probe``: the tuner's timer and
+    load probe (tests inject theirs). Raises RuntimeError when no path runs.
     """
     device = torch.device(device)
     if requested != "auto":
@@ -292,38 +228,35 @@ def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch
         return LinearChoice(candidates[0], "the only path available here" + (
             f" ({'; '.join(f'{k}: {v}' for k, v in refused.items())})" if refused else ""), refused=refused)
     shapes = [list(s) for s in (linear_shapes(model) if shapes is None else shapes)]
-    key = _machine_key(dtype, shapes)
+    what = {"dtype": str(dtype), "shapes": shapes, "rows": list(CHOOSER_ROWS)}
+    cache = tuner.TunerCache(CACHE_NAME)
     if use_cache:
-        entry = _read_cache().get(key)
+        entry = cache.get(what)
         if entry and entry.get("impl") in candidates:
-            return LinearChoice(entry["impl"], f"measured on this machine before ({cache_path()})",
+            return LinearChoice(entry["impl"], f"measured on this machine before ({cache.path})",
                                 ms=entry.get("ms", {}), refused=refused, cached=True)
     cases = {}
     for impl in candidates:
         try:
             cases[impl] = path_cases(impl, shapes, dtype)
-            time_cases(cases[impl], seconds_per_case=0.0)  # every row count runs once before any timing
+            tuner.time_cases(cases[impl], CHOOSER_ROWS, seconds_per_case=0.0)  # every row count runs once first
         except Exception as e:  # a path that cannot run or computes something else is never chosen
             refused[impl] = f"{type(e).__name__}: {e}"
             logger.warning("linear path %s refused: %s", impl, refused[impl])
             cases.pop(impl, None)
-    # rounds alternate the paths and each keeps its best, so a burst of other load on a shared machine
-    # slows one round of each rather than one path
-    ms: dict[str, dict[int, float]] = {}
-    for _ in range(rounds):
-        for impl, impl_cases in cases.items():
-            got = time_cases(impl_cases)
-            ms[impl] = {r: min(got[r], ms.get(impl, got)[r]) for r in CHOOSER_ROWS}
-    if not ms:
+    if not cases:
         raise RuntimeError(f"no GEMM path works on this machine: {refused}")
+    measured = tuner.measure(cases, CHOOSER_ROWS, rounds=rounds, clock=clock, probe=probe)
+    ms = measured.ms
     best_at = {r: min(times[r] for times in ms.values()) for r in CHOOSER_ROWS}
     score = {impl: sum(times[r] / best_at[r] for r in CHOOSER_ROWS) / len(CHOOSER_ROWS) for impl, times in ms.items()}
     impl = min(score, key=score.get)
     table = ", ".join(f"{name} " + "/".join(f"{times[r]:.2f}" for r in CHOOSER_ROWS) for name, times in ms.items())
     reason = (f"measured: ms per pass over the linear layers at {'/'.join(map(str, CHOOSER_ROWS))} rows: {table}")
+    if not measured.trusted:
+        reason += f"; not cached: {measured.why_not}"
     if use_cache:
-        _write_cache(key, {"impl": impl, "ms": ms, "dtype": str(dtype), "torch": torch.__version__,
-                           "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S")})
+        cache.put(what, {"impl": impl, "ms": ms}, measured)
     return LinearChoice(impl, reason, ms=ms, refused=refused)
 
 
@@ -334,5 +267,5 @@ def describe(choice: LinearChoice) -> str:
 
 
 __all__ = ["LINEAR_IMPLS", "CHOOSER_ROWS", "OneDNNLinear", "LinearChoice", "choose_linear_impl", "describe",
-           "count_shapes", "linear_shapes", "make_linear", "path_cases", "time_cases", "padded_rows", "swap_linears",
+           "count_shapes", "linear_shapes", "make_linear", "path_cases", "padded_rows", "swap_linears",
            "why_unavailable", "cache_path"]

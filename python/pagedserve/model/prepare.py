@@ -137,16 +137,17 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         path = (f"{quantization}: {quantizer.qtype} blocks, int8 activations ({source}, {quantizer.requantized} "
                 f"quantised here; kernel {_kernel_isa()}{large})")
     elif impl == "gguf":
-        measured = "" if gguf_ms is None else ("; measured ms per pass at " + "/".join(map(str, gguf_ms["gguf"])) +
-                                               " rows: " + ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values())
-                                                                     for k, t in gguf_ms.items()))
+        measured = "" if gguf_ms is None else (
+            f"; {gguf_ms.source}: ms per pass at " + "/".join(map(str, gguf_ms.ms["gguf"])) + " rows: " +
+            ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values()) for k, t in gguf_ms.ms.items()))
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
                 f"calls of up to {builder.max_rows} rows ({builder.dense_only} layers dense{measured}); larger calls: "
                 f"{describe(choice)}")
     else:
         path = describe(choice)
         if builder is not None:
-            path += f" (the gguf path measured slower here: {gguf_ms})"
+            path += (" (no layer's GGUF blocks are the model's float32 weights)" if gguf_ms is None else
+                     f" (the gguf path measured slower here, {gguf_ms.source}: {gguf_ms.ms})")
     return PreparedModel(lean, why, impl, path, weight_bytes(model))
 
 
