@@ -130,6 +130,27 @@ class LeanLlamaDecoder(torch.nn.Module):
         half = self.head_dim // 2
         self.register_buffer("cos_sin_cache", torch.cat([cos[0, :, :half], sin[0, :, :half]], dim=-1).float()
                              .contiguous(), persistent=False)
+        self.build_native()
+
+    def build_native(self) -> None:
+        """(Re)builds the native decode step from the layers as they are now
+        (``self.native``; None, with ``self.why_not_native``, where it cannot run)."""
+        self.native, self.why_not_native = native_decoder(self)
+        # the GGUF layers whose row bound (set by the gguf tuner) bounds the native step
+        self._native_linears = [getattr(layer, attr) for layer in self.layers for attr in _LINEARS]
+
+    def native_max_rows(self) -> int:
+        """The largest step (tokens) the native decode step serves: the GGUF
+        layers' row bound (0 without a native step)."""
+        if self.native is None:
+            return 0
+        return min(module.max_rows for module in self._native_linears)
+
+    def describe_native(self) -> str:
+        """One line for the start-up log: where the native decode step runs, or why not."""
+        if self.native is None:
+            return f"no native decode step ({self.why_not_native})"
+        return f"native C++ decode step for steps of up to {self.native_max_rows()} tokens"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -140,6 +161,15 @@ class LeanLlamaDecoder(torch.nn.Module):
         KernelArgumentError (a ValueError) on a position past the rotary table."""
         ops, threads = _core.cpu, torch.get_num_threads()
         t = input_ids.shape[0]
+        if (self.native is not None and t <= self.native_max_rows() and ctx.backend.name == "cpu"
+                and ctx.kv_cache.store.dtype == torch.float32):
+            # the same kernels in the same order in one C++ call (native_decoder.h): bit-identical hidden states
+            out = torch.empty((t, self.native.hidden_size), dtype=torch.float32)
+            self.native.forward(input_ids, positions, ctx.slot_mapping, ctx.kv_cache.store, ctx.plan.for_window(None),
+                                out, self.scale, threads)
+            ctx.calls += len(self.layers)
+            ctx.windows.add(None)
+            return out
         hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
         h = self.embed_tokens(input_ids)
         residual = None
@@ -167,6 +197,33 @@ class LeanLlamaDecoder(torch.nn.Module):
             h = layer.down_proj(act)
         ops.fused_add_rms_norm(h, residual, self.norm, self.norm_eps, threads)
         return h
+
+
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def native_decoder(lean: LeanLlamaDecoder):
+    """(the native decode step of ``lean``'s weights, None) where every fused
+    linear layer runs on GGUF blocks (GGUFFloatLinear) and the embedding is
+    float32; else (None, why not). The C++ decoder shares the blocks (no copy)
+    and borrows the embedding table."""
+    from .gguf_linear import GGUFFloatLinear
+
+    dense = [f"model.layers.{i}.{attr}" for i, layer in enumerate(lean.layers) for attr in _LINEARS
+             if not isinstance(getattr(layer, attr), GGUFFloatLinear)]
+    if dense:
+        return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
+    embed = lean.embed_tokens.weight.detach()
+    if embed.dtype != torch.float32:
+        return None, f"the embedding is {embed.dtype}, not float32"
+    native = _core.cpu.NativeDecoder(embed.contiguous(), lean.cos_sin_cache, lean.norm.float().contiguous(),
+                                     lean.norm_eps, lean.num_heads, lean.num_kv_heads, lean.head_dim)
+    for layer in lean.layers:
+        mods = [getattr(layer, attr) for attr in _LINEARS]
+        native.add_layer(*[m.weight_blocks for m in mods], *[m.bias for m in mods],
+                         layer.input_layernorm.float().contiguous(), layer.post_attention_layernorm.float().contiguous(),
+                         layer.eps, layer.eps_post)
+    return native, None
 
 
 def fuse_plain(make: Callable[[torch.nn.Linear], torch.nn.Module]) -> FuseLinear:

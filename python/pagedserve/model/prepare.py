@@ -130,6 +130,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             impl = "gguf"
         else:
             _core.cpu.set_thread_pool_spin_us(0)
+    if lean is not None:
+        why = why[:-1] + f"; {lean.describe_native()})"
     if quantization != "none":
         source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
         large = (f"; calls of {DENSE_MIN_ROWS}+ rows: de-quantised to bfloat16, torch's bfloat16 GEMM"
