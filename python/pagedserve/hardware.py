@@ -81,3 +81,20 @@ def onednn_linear_unsupported(dtype: torch.dtype) -> str | None:
         return ("oneDNN's bfloat16 linear needs avx512bw/avx512vl/avx512dq or avx_ne_convert "
                 "(x86-64) or BF16 (arm64), which this CPU lacks")
     return None
+
+
+def release_free_memory() -> bool:
+    """Returns the C heap's free pages to the OS (glibc's ``malloc_trim``),
+    where the C library has it; a no-op elsewhere. Loading a model frees far
+    more than it keeps (a float32 checkpoint read, checked and dropped for its
+    GGUF blocks): without this the freed pages stay in the process's RSS
+    (measured with SmolLM2 on the gguf path: 1265 -> 591 MiB). Returns whether
+    it ran."""
+    import ctypes
+
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True

@@ -474,6 +474,48 @@ TEST_P(QuantLinearVariant, LinearF32MatchesTheDequantisedWeightsInDouble) {
   }
 }
 
+// linear_f32: a row's result is the same bits whatever else is in the call
+// (one row alone, which takes the AVX2 kernel's two-group single-row pass, or
+// any slice of rows) and on any thread count, for N of an odd number of row
+// groups (a pair and a lone last group) and a partial last group.
+TEST_P(QuantLinearVariant, LinearF32ARowsResultDoesNotDependOnItsBatchOrThreads) {
+  QuantIsaGuard guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(41);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t k = 96, m = 27;
+  for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
+    for (int64_t n : {16, 40, 83, 160}) {  // 1, 3 (pair + one, partial), 6 (partial), 10 groups
+      std::vector<uint8_t> raw = random_blocks(q, n, k, rng, true);
+      QuantizedWeight w(raw.data(), q, n, k);
+      std::vector<float> x(m * k), bias(n);
+      for (auto& v : x) v = nd(rng);
+      for (auto& v : bias) v = nd(rng);
+      auto b = arg(bias, {n}, DType::kFloat32, "bias");
+      const auto run = [&](int64_t r0, int64_t rows, int threads) {
+        std::vector<float> xs(x.begin() + r0 * k, x.begin() + (r0 + rows) * k), o(rows * n);
+        w.linear_f32(arg(xs, {rows, k}, DType::kFloat32, "x"), arg(o, {rows, n}, DType::kFloat32, "out"), &b,
+                     threads);
+        std::vector<uint32_t> bits(rows * n);
+        std::memcpy(bits.data(), o.data(), o.size() * 4);
+        return bits;
+      };
+      const std::vector<uint32_t> all = run(0, m, 1);
+      EXPECT_EQ(run(0, m, 2), all) << qtype_name(q) << " n=" << n << ": 1 vs 2 threads";
+      const int64_t subs[][2] = {{0, 1}, {7, 1}, {26, 1}, {3, 2}, {4, 5}, {10, 13}};
+      for (const auto& sb : subs) {
+        for (int threads : {1, 2}) {
+          const std::vector<uint32_t> part = run(sb[0], sb[1], threads);
+          for (int64_t i = 0; i < sb[1] * n; ++i) {
+            ASSERT_EQ(part[i], all[sb[0] * n + i]) << qtype_name(q) << " n=" << n << " rows [" << sb[0] << ", "
+                                                   << sb[0] + sb[1] << ") threads " << threads << " element " << i;
+          }
+        }
+      }
+    }
+  }
+}
+
 // The expanded weights are exact: x = one-hot rows (row i selects column i of
 // W^T) gives the dequantised weight bit for bit (plus the bias: one float add).
 TEST_P(QuantLinearVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {

@@ -42,14 +42,22 @@ void bind_native(py::module_& m) {
       "AttentionPlan) in its order, so the hidden states are bit-identical to it. float32.")
       .def(py::init([](py::handle embed_tokens, py::handle cos_sin_cache, py::handle norm, float norm_eps,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim) {
-             return std::make_shared<NativeDecoder>(tensor_arg(embed_tokens, "embed_tokens"),
+             std::shared_ptr<QuantizedWeight> blocks;
+             TensorArg table;
+             if (py::isinstance<QuantizedWeight>(embed_tokens)) {
+               blocks = embed_tokens.cast<std::shared_ptr<QuantizedWeight>>();
+             } else {
+               table = tensor_arg(embed_tokens, "embed_tokens");
+             }
+             return std::make_shared<NativeDecoder>(blocks ? nullptr : &table, blocks,
                                                     tensor_arg(cos_sin_cache, "cos_sin_cache"),
                                                     floats(norm, "norm"), norm_eps, num_heads, num_kv_heads,
                                                     head_dim);
            }),
            py::keep_alive<1, 2>(), py::arg("embed_tokens"), py::arg("cos_sin_cache"), py::arg("norm"),
            py::arg("norm_eps"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_dim"),
-           "embed_tokens: float32 [vocab, hidden] contiguous (kept alive by the decoder, not copied); "
+           "embed_tokens: float32 [vocab, hidden] contiguous (kept alive by the decoder, not copied), or a "
+           "QuantizedWeight [vocab, hidden] whose rows are de-quantised per token (a tied embedding kept once); "
            "cos_sin_cache: float32 [max_position, head_dim] (row p: cos then sin of p times the rotary "
            "frequencies; copied); norm: the final RMSNorm weight [hidden] float32. Raises KernelArgumentError.")
       .def(

@@ -75,6 +75,16 @@ void bind_quant(py::module_& m) {
           "lossless for weights whose float32 values are these); x and out float32, contiguous; x not quantised; "
           "float32 accumulation along in_features in order, so the result does not depend on num_threads. "
           "num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def(
+          "embedding",
+          [](const QuantizedWeight& w, py::handle ids, py::handle out) {
+            auto i = tensor_arg(ids, "ids"), o = tensor_arg(out, "out");
+            py::gil_scoped_release release;
+            w.embedding(i, o);
+          },
+          py::arg("ids"), py::arg("out"),
+          "out [T, in_features] float32 = the de-quantised rows ids [T] int64 (dequantize's values, bit for bit): "
+          "an embedding lookup on the blocks. Raises KernelArgumentError (an id outside [0, out_features)).")
       .def_property_readonly("nbytes", &QuantizedWeight::nbytes,
                              "Bytes of weight storage held (rows padded to a multiple of 16).")
       .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); })

@@ -61,26 +61,33 @@ void linear(const QuantizedWeight& w, const TensorArg& x, const TensorArg& out, 
 
 }  // namespace
 
-NativeDecoder::NativeDecoder(const TensorArg& embed_tokens, const TensorArg& cos_sin_cache,
-                             std::vector<float> final_norm, float final_norm_eps, int64_t num_heads,
-                             int64_t num_kv_heads, int64_t head_dim)
-    : final_norm_(std::move(final_norm)),
+NativeDecoder::NativeDecoder(const TensorArg* embed_tokens, std::shared_ptr<const QuantizedWeight> embed_blocks,
+                             const TensorArg& cos_sin_cache, std::vector<float> final_norm, float final_norm_eps,
+                             int64_t num_heads, int64_t num_kv_heads, int64_t head_dim)
+    : embed_blocks_(std::move(embed_blocks)),
+      final_norm_(std::move(final_norm)),
       final_norm_eps_(final_norm_eps),
       num_heads_(num_heads),
       num_kv_heads_(num_kv_heads),
       head_dim_(head_dim) {
-  embed_tokens.check_dim(2);
-  embed_tokens.check_dtype(DType::kFloat32);
-  embed_tokens.check_contiguous();
+  if (embed_tokens != nullptr) {
+    embed_tokens->check_dim(2);
+    embed_tokens->check_dtype(DType::kFloat32);
+    embed_tokens->check_contiguous();
+    embed_ = embed_tokens->ptr<const float>();
+    vocab_ = embed_tokens->size(0);
+    hidden_ = embed_tokens->size(1);
+  } else {
+    require(embed_blocks_ != nullptr, "an embedding table or its blocks is needed");
+    vocab_ = embed_blocks_->out_features();
+    hidden_ = embed_blocks_->in_features();
+  }
   cos_sin_cache.check_dim(2);
   cos_sin_cache.check_dtype(DType::kFloat32);
   cos_sin_cache.check_contiguous();
   require(num_heads > 0 && num_kv_heads > 0 && num_heads % num_kv_heads == 0,
           "num_heads must be a positive multiple of num_kv_heads");
   require(head_dim > 0 && cos_sin_cache.size(1) == head_dim, "cos_sin_cache must be [max_position, head_dim]");
-  embed_ = embed_tokens.ptr<const float>();
-  vocab_ = embed_tokens.size(0);
-  hidden_ = embed_tokens.size(1);
   require(static_cast<int64_t>(final_norm_.size()) == hidden_, "final_norm must have hidden_size elements");
   max_position_ = cos_sin_cache.size(0);
   const float* cs = cos_sin_cache.ptr<const float>();
@@ -148,10 +155,14 @@ void NativeDecoder::forward(const TensorArg& input_ids, const TensorArg& positio
   qkv_.resize(static_cast<size_t>(t * width));
   gate_up_.resize(static_cast<size_t>(t * 2 * inter));
   act_.resize(static_cast<size_t>(t * inter));
-  for (int64_t i = 0; i < t; ++i) {
-    std::memcpy(residual_.data() + i * hidden_, embed_ + ids[i] * hidden_, sizeof(float) * hidden_);
-  }
   const TensorArg h = out, residual = rows_view(residual_.data(), t, hidden_, "residual");
+  if (embed_ != nullptr) {
+    for (int64_t i = 0; i < t; ++i) {
+      std::memcpy(residual_.data() + i * hidden_, embed_ + ids[i] * hidden_, sizeof(float) * hidden_);
+    }
+  } else {
+    embed_blocks_->embedding(input_ids, residual);
+  }
   const TensorArg qkv = rows_view(qkv_.data(), t, width, "qkv");
   const TensorArg q2 = view(qkv_.data(), {t, hq}, {width, 1}, "query");
   const TensorArg k2 = view(qkv_.data() + hq, {t, hk}, {width, 1}, "key");

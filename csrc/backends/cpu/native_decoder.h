@@ -45,13 +45,16 @@ struct NativeLayer {
 
 class NativeDecoder {
  public:
-  // embed_tokens: float32 [vocab, hidden] contiguous, borrowed (the caller keeps
-  // it alive and unchanged while the decoder exists). cos_sin_cache: float32
-  // [max_position, head_dim] contiguous, row p = [cos(p f_0..), sin(p f_0..)]
-  // (copied). final_norm: [hidden] (copied). Throws KernelArgumentError on a
-  // bad shape or dtype.
-  NativeDecoder(const TensorArg& embed_tokens, const TensorArg& cos_sin_cache, std::vector<float> final_norm,
-                float final_norm_eps, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
+  // The embedding is either embed_tokens, float32 [vocab, hidden] contiguous,
+  // borrowed (the caller keeps it alive and unchanged while the decoder
+  // exists), or, when embed_tokens is null, embed_blocks [vocab, hidden] (its
+  // rows de-quantised per token: QuantizedWeight::embedding). cos_sin_cache:
+  // float32 [max_position, head_dim] contiguous, row p = [cos(p f_0..),
+  // sin(p f_0..)] (copied). final_norm: [hidden] (copied). Throws
+  // KernelArgumentError on a bad shape or dtype.
+  NativeDecoder(const TensorArg* embed_tokens, std::shared_ptr<const QuantizedWeight> embed_blocks,
+                const TensorArg& cos_sin_cache, std::vector<float> final_norm, float final_norm_eps,
+                int64_t num_heads, int64_t num_kv_heads, int64_t head_dim);
   ~NativeDecoder();
   NativeDecoder(const NativeDecoder&) = delete;
   NativeDecoder& operator=(const NativeDecoder&) = delete;
@@ -77,8 +80,9 @@ class NativeDecoder {
                int num_threads);
 
  private:
-  const float* embed_;
-  int64_t vocab_, hidden_;
+  const float* embed_ = nullptr;
+  std::shared_ptr<const QuantizedWeight> embed_blocks_;
+  int64_t vocab_ = 0, hidden_ = 0;
   std::vector<float> cos_sin_;
   int64_t max_position_;
   std::vector<float> final_norm_;

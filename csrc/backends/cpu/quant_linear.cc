@@ -246,6 +246,32 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
 
 QuantizedWeight::~QuantizedWeight() = default;
 
+void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
+  const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
+  const int64_t g = row / kQRows, j = row % kQRows;
+  for (int64_t b = 0; b < nb; ++b, dst += kQBlock) {
+    const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+    const float d = half_to_float(load_u16(t + 2 * j));
+    if (qtype_ == QType::kQ4_1) {
+      const float m = half_to_float(load_u16(t + 32 + 2 * j));
+      for (int p = 0; p < 4; ++p) {
+        for (int e = 0; e < 4; ++e) {
+          const uint8_t q = t[64 + 64 * p + 4 * j + e];
+          const float lo = d * static_cast<float>(q & 0x0F), hi = d * static_cast<float>(q >> 4);
+          dst[4 * p + e] = lo + m;  // two roundings (no FMA: -ffp-contract=off)
+          dst[16 + 4 * p + e] = hi + m;
+        }
+      }
+    } else {
+      for (int c = 0; c < 8; ++c) {
+        for (int e = 0; e < 4; ++e) {
+          dst[4 * c + e] = d * static_cast<float>(static_cast<int8_t>(t[32 + 64 * c + 4 * j + e]));
+        }
+      }
+    }
+  }
+}
+
 void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
   if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
     throw KernelArgumentError(out.name + " must be float32 or bfloat16, got " + dtype_name(out.dtype));
@@ -255,38 +281,17 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
   out.check_contiguous();
   check_num_threads(num_threads);
   const bool to_bf16 = out.dtype == DType::kBFloat16;
-  const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
   // rows [r0, r1) of the output; float32 first (exact), then rounded to bfloat16 when asked
   const auto rows = [&](int64_t r0, int64_t r1) {
-    float buf[kQBlock];
+    std::vector<float> buf(to_bf16 ? static_cast<size_t>(k_) : 0);
     for (int64_t row = r0; row < r1; ++row) {
-      const int64_t g = row / kQRows, j = row % kQRows;
-      for (int64_t b = 0; b < nb; ++b) {
-        const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-        float* dst = to_bf16 ? buf : out.ptr<float>() + row * k_ + b * kQBlock;
-        const float d = half_to_float(load_u16(t + 2 * j));
-        if (qtype_ == QType::kQ4_1) {
-          const float m = half_to_float(load_u16(t + 32 + 2 * j));
-          for (int p = 0; p < 4; ++p) {
-            for (int e = 0; e < 4; ++e) {
-              const uint8_t q = t[64 + 64 * p + 4 * j + e];
-              const float lo = d * static_cast<float>(q & 0x0F), hi = d * static_cast<float>(q >> 4);
-              dst[4 * p + e] = lo + m;  // two roundings (no FMA: -ffp-contract=off)
-              dst[16 + 4 * p + e] = hi + m;
-            }
-          }
-        } else {
-          for (int c = 0; c < 8; ++c) {
-            for (int e = 0; e < 4; ++e) {
-              dst[4 * c + e] = d * static_cast<float>(static_cast<int8_t>(t[32 + 64 * c + 4 * j + e]));
-            }
-          }
-        }
-        if (to_bf16) {
-          bf16* o = out.ptr<bf16>() + row * k_ + b * kQBlock;
-          for (int e = 0; e < kQBlock; ++e) o[e] = float_to_bf16(buf[e]);
-        }
+      if (!to_bf16) {
+        dequantize_row(row, out.ptr<float>() + row * k_);
+        continue;
       }
+      dequantize_row(row, buf.data());
+      bf16* o = out.ptr<bf16>() + row * k_;
+      for (int64_t e = 0; e < k_; ++e) o[e] = float_to_bf16(buf[static_cast<size_t>(e)]);
     }
   };
   const int64_t kRowsPerTask = 256;
@@ -296,6 +301,23 @@ void QuantizedWeight::dequantize(const TensorArg& out, int num_threads) const {
     return;
   }
   ThreadPool::get(num_threads)->run(tasks, [&](int64_t i, int) { rows(i * kRowsPerTask, std::min(n_, (i + 1) * kRowsPerTask)); });
+}
+
+void QuantizedWeight::embedding(const TensorArg& ids, const TensorArg& out) const {
+  ids.check_dim(1);
+  ids.check_dtype(DType::kInt64);
+  ids.check_contiguous();
+  out.check_dtype(DType::kFloat32);
+  out.check_contiguous();
+  out.check_shape({ids.size(0), k_});
+  const int64_t* id = ids.ptr<const int64_t>();
+  for (int64_t i = 0; i < ids.size(0); ++i) {
+    if (id[i] < 0 || id[i] >= n_) {
+      throw KernelArgumentError(ids.name + "[" + std::to_string(i) + "] = " + std::to_string(id[i]) +
+                                " is outside [0, " + std::to_string(n_) + ")");
+    }
+  }
+  for (int64_t i = 0; i < ids.size(0); ++i) dequantize_row(id[i], out.ptr<float>() + i * k_);
 }
 
 void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias,

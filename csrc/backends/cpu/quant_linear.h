@@ -82,6 +82,12 @@ class QuantizedWeight {
   // (1 .. 1024) threads of the shared pool. Throws KernelArgumentError.
   void dequantize(const TensorArg& out, int num_threads = 1) const;
 
+  // out [T, K] float32 contiguous: row i = dequantize's float32 row ids[i]
+  // (ids [T] int64 contiguous, each in [0, N), checked before anything is
+  // written): an embedding lookup on the blocks (a tied embedding / output
+  // layer kept once). Throws KernelArgumentError.
+  void embedding(const TensorArg& ids, const TensorArg& out) const;
+
   // out [M, N] = x [M, K] . W^T (+ bias [N]), x and out float32 or bfloat16
   // (the same dtype), contiguous; bias float32 [N] contiguous or nullptr.
   // x is quantised per row and 32-group to int8 (d = amax / 127, q =
@@ -121,6 +127,8 @@ class QuantizedWeight {
   struct Free {
     void operator()(uint8_t* p) const;
   };
+  // dst [K] = row `row` de-quantised to float32 (gguf-py's values, bit for bit).
+  void dequantize_row(int64_t row, float* dst) const;
   QType qtype_;
   int64_t n_, k_, nbytes_;
   std::unique_ptr<uint8_t, Free> tiles_;

@@ -19,7 +19,7 @@ import torch
 from .. import _core
 from ..config import EngineArgs
 from ..errors import ModelLoadError
-from ..hardware import cpu_capabilities, resolve_dtype
+from ..hardware import cpu_capabilities, release_free_memory, resolve_dtype
 from ..kernels import resolve_backend
 from ..kernels.backend import AttentionSpec
 from ..metrics import EngineMetrics
@@ -117,7 +117,8 @@ class LLMEngine:
                                  f"({type(e).__name__}: {e})") from e
         prepared = prepare_model(self.model, self.dtype, self.device, self.max_model_len,
                                  linear_impl=args.linear_impl, quantization=args.quantization,
-                                 model_impl=args.model_impl, gguf_path=gguf_source(args.model))
+                                 model_impl=args.model_impl, gguf_path=gguf_source(args.model),
+                                 native_step=args.native_step)
         self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
         self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
         self.model_name = args.served_model_name or loaded.name
@@ -175,6 +176,7 @@ class LLMEngine:
                                f"if the model's decoder is not a transformers decoder model, PagedServe cannot "
                                f"serve it") from e
         self._refuse_what_the_check_saw(name, check, features, hf.num_hidden_layers)
+        release_free_memory()  # what loading and preparing the model freed goes back to the OS
 
     @staticmethod
     def _refuse_what_the_check_saw(name: str, check, features, num_layers: int) -> None:

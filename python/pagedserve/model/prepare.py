@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from .. import _core
-from .gguf_linear import GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
+from .gguf_linear import GGUFEmbedding, GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, fuse_plain, lean_linear_shapes, why_not_lean
 from .linear import choose_linear_impl, describe, make_linear, swap_linears
 from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
@@ -47,8 +47,13 @@ def weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the distinct tensors (parameters and buffers) and quantised blocks
     a model holds; tied weights count once."""
     seen, total = set(), 0
+    blocks = set()  # QuantizedWeight objects counted (a tied embedding shares its output layer's)
     for module in model.modules():
-        if isinstance(module, (QuantLinear, GGUFFloatLinear)):
+        if isinstance(module, (GGUFFloatLinear, GGUFEmbedding)):
+            if id(module.weight_blocks) not in blocks:
+                blocks.add(id(module.weight_blocks))
+                total += module.nbytes
+        elif isinstance(module, QuantLinear):
             total += module.nbytes
     for t in list(model.parameters()) + list(model.buffers()):
         try:
@@ -64,11 +69,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int, *,
                   linear_impl: str = "auto", quantization: str = "none", model_impl: str = "auto",
-                  gguf_path: Path | None = None) -> PreparedModel:
+                  gguf_path: Path | None = None, native_step: bool = True) -> PreparedModel:
     """Prepares ``model`` (a transformers causal LM on ``device``) in place.
 
     Args:
-        linear_impl, quantization, model_impl: EngineArgs' fields of the same names.
+        linear_impl, quantization, model_impl, native_step: EngineArgs' fields of the same names.
         gguf_path: the GGUF file the model was converted from, or None (its own
             Q4_1 / Q8_0 blocks are used by --quantization).
     Raises:
@@ -77,6 +82,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     """
     config = model.config
     builder = None  # the gguf path's layer builder, where it applies
+    released = ""  # what _serve_from_blocks dropped
     if model_impl == "transformers":
         why_lean = "--model-impl transformers"
     else:
@@ -122,15 +128,19 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     ours = quantization != "none" or builder is not None
     _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
     if builder is not None:
-        if linear_impl == "gguf":  # asked for by name: the blocks serve every call up to FORCED_MAX_ROWS rows
+        if linear_impl == "gguf":  # asked for by name: the blocks serve every call (FORCED_MAX_ROWS)
             gguf_ms = None
         else:
             gguf_ms = builder.tune()
         if builder.max_rows > 0 and builder.native:
             impl = "gguf"
+            if builder.serves_all and lean is not None and builder.dense_only == 0:
+                released = _serve_from_blocks(model, lean, builder)
         else:
             _core.cpu.set_thread_pool_spin_us(0)
     if lean is not None:
+        if not native_step:
+            lean.native, lean.why_not_native = None, "--no-native-step"
         why = why[:-1] + f"; {lean.describe_native()})"
     if quantization != "none":
         source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
@@ -142,15 +152,52 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         measured = "" if gguf_ms is None else (
             f"; {gguf_ms.source}: ms per pass at " + "/".join(map(str, gguf_ms.ms["gguf"])) + " rows: " +
             ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values()) for k, t in gguf_ms.ms.items()))
+        rows = "calls of every size" if builder.serves_all else f"calls of up to {builder.max_rows} rows"
+        larger = (f"no dense copy kept ({released})" if released else f"larger calls: {describe(choice)}")
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
-                f"calls of up to {builder.max_rows} rows ({builder.dense_only} layers dense{measured}); larger calls: "
-                f"{describe(choice)}")
+                f"{rows} ({builder.dense_only} layers dense{measured}); {larger}")
     else:
         path = describe(choice)
         if builder is not None:
             path += (" (no layer's GGUF blocks are the model's float32 weights)" if gguf_ms is None else
                      f" (the gguf path measured slower here, {gguf_ms.source}: {gguf_ms.ms})")
     return PreparedModel(lean, why, impl, path, weight_bytes(model))
+
+
+def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder, builder: GGUFLinearBuilder) -> str:
+    """Where the blocks serve every call: drops the dense float32 copies of the
+    linear layers, moves the embedding onto the GGUF's blocks when they hold it
+    exactly (shared with a tied output layer), and rebuilds the native step on
+    them. Returns what was dropped, for the log."""
+    dropped = builder.release_dense()
+    what = f"{dropped} dense layers dropped"
+    embedding = builder.embedding(lean.embed_tokens, model.lm_head)
+    if embedding is not None:
+        lean.embed_tokens = embedding
+        model.model.embed_tokens = embedding  # the float32 table had no other user left
+        what += ", the embedding read from the blocks" + (" of the tied output layer" if builder.tied else "")
+    _own_memory(model)
+    lean.build_native()
+    return what
+
+
+def _own_memory(model: torch.nn.Module) -> None:
+    """Copies every tensor the prepared model still holds (norm weights, rotary
+    tables, the lean layers' norms) into memory of its own. transformers loads
+    a safetensors checkpoint as views of one memory-mapped file, so a single
+    tensor left pointing into it keeps the whole mapping, and every page the
+    load touched, resident (measured: 513 MiB of SmolLM2's float32 file after
+    its dense layers were dropped)."""
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is not None:
+                module._parameters[name] = torch.nn.Parameter(p.detach().clone(), requires_grad=False)
+        for name, b in list(module._buffers.items()):
+            if b is not None:
+                module._buffers[name] = b.clone()
+        for name, value in list(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not name.startswith("_"):
+                setattr(module, name, value.clone())
 
 
 def _kernel_isa() -> str:
