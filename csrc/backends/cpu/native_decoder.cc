@@ -35,6 +35,9 @@ TensorArg rows_view(const float* p, int64_t rows, int64_t cols, const char* name
   return view(p, {rows, cols}, {cols, 1}, name);
 }
 
+// Steps of more tokens than this release their scratch when they end (decode steps keep and reuse theirs).
+constexpr int64_t kKeptScratchTokens = 256;
+
 void require(bool ok, const std::string& what) {
   if (!ok) throw KernelArgumentError("NativeDecoder: " + what);
 }
@@ -200,6 +203,12 @@ void NativeDecoder::forward(const TensorArg& input_ids, const TensorArg& positio
     linear(*L.down_proj, act, h, L.down_bias, num_threads);
   }
   fused_add_rms_norm(h, residual, vec_view(final_norm_, "norm"), final_norm_eps_, num_threads);
+  if (t > kKeptScratchTokens) {  // a prefill's scratch (tens of MiB at 2048 tokens) is not kept for the decodes
+    for (std::vector<float>* v : {&residual_, &attn_, &qkv_, &gate_up_, &act_}) {
+      v->clear();
+      v->shrink_to_fit();
+    }
+  }
 }
 
 }  // namespace cpu

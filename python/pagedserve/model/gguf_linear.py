@@ -231,7 +231,8 @@ class GGUFLinearBuilder:
                 "above_largest": "blocks"}  # the rule for calls above the largest measured count
         cache = tuner.TunerCache(CACHE_NAME)
         entry = cache.get(what) if use_cache else None
-        if entry is not None and isinstance(entry.get("max_rows"), int):
+        ms_ok = entry is not None and isinstance(entry.get("ms"), dict) and {"gguf", "dense"} <= set(entry["ms"])
+        if ms_ok and isinstance(entry.get("max_rows"), int):  # anything else counts as absent: measured again
             self.set_max_rows(entry["max_rows"])
             return GGUFTuning(entry.get("ms", {}), f"measured on this machine before ({cache.path})")
         g = torch.Generator().manual_seed(0)

@@ -221,6 +221,13 @@ def native_decoder(lean: LeanLlamaDecoder):
         if embed.dtype != torch.float32:
             return None, f"the embedding is {embed.dtype}, not float32"
         embed = embed.contiguous()
+    try:
+        return _build_native(lean, embed), None
+    except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; the Python path serves
+        return None, f"the native decoder refused the weights ({e})"
+
+
+def _build_native(lean: LeanLlamaDecoder, embed):
     native = _core.cpu.NativeDecoder(embed, lean.cos_sin_cache, lean.norm.float().contiguous(),
                                      lean.norm_eps, lean.num_heads, lean.num_kv_heads, lean.head_dim)
     for layer in lean.layers:
@@ -228,7 +235,7 @@ def native_decoder(lean: LeanLlamaDecoder):
         native.add_layer(*[m.weight_blocks for m in mods], *[m.bias for m in mods],
                          layer.input_layernorm.float().contiguous(), layer.post_attention_layernorm.float().contiguous(),
                          layer.eps, layer.eps_post)
-    return native, None
+    return native
 
 
 def fuse_plain(make: Callable[[torch.nn.Linear], torch.nn.Module]) -> FuseLinear:

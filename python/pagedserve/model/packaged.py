@@ -14,6 +14,7 @@ the code:
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,10 +66,11 @@ def smollm2_gguf() -> Path:
     raise FileNotFoundError(f"no .gguf file in the '{SMOLLM2_PACKAGES[0]}' package")
 
 
+@functools.lru_cache(maxsize=None)
 def gemma3_gguf() -> Path:
     """The Gemma 3 270M Q4_K_M file, assembled from its chunk packages into
-    ``$PAGEDSERVE_CACHE/gguf/`` (once; later calls check its SHA-256 and reuse
-    it). Raises FileNotFoundError (naming the install line) when a package or a
+    ``$PAGEDSERVE_CACHE/gguf/`` (once; later starts check its SHA-256 and reuse
+    it; within a process the path is remembered). Raises FileNotFoundError (naming the install line) when a package or a
     chunk is missing, ValueError when the assembled file's SHA-256 is wrong."""
     from .loader import cache_dir
 

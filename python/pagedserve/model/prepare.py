@@ -138,6 +138,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                 released = _serve_from_blocks(model, lean, builder)
         else:
             _core.cpu.set_thread_pool_spin_us(0)
+            if lean is not None:  # the blocks serve no call: neither does the native step built on them
+                lean.native, lean.why_not_native = None, "the gguf path measured slower at every row count"
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
@@ -175,7 +177,8 @@ def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder, builder: 
     if embedding is not None:
         lean.embed_tokens = embedding
         model.model.embed_tokens = embedding  # the float32 table had no other user left
-        what += ", the embedding read from the blocks" + (" of the tied output layer" if builder.tied else "")
+        shared = embedding.weight_blocks is getattr(model.lm_head, "weight_blocks", None)
+        what += ", the embedding read from the blocks" + (" of the tied output layer" if shared else "")
     _own_memory(model)
     lean.build_native()
     return what
