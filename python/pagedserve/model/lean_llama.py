@@ -150,8 +150,10 @@ class LeanLlamaDecoder(torch.nn.Module):
         """One line for the start-up log: where the native decode step runs, or why not."""
         if self.native is None:
             return f"no native decode step ({self.why_not_native})"
+        from .gguf_linear import UNBOUNDED_ROWS
+
         rows = self.native_max_rows()
-        return "native C++ step for steps of " + ("every size" if rows >= 2**31 - 1 else f"up to {rows} tokens")
+        return "native C++ step for steps of " + ("every size" if rows >= UNBOUNDED_ROWS else f"up to {rows} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -66,6 +66,7 @@ def time_ms(fn: Callable[[], object], min_seconds: float, clock: Clock | None = 
             return best * 1e3
 
 
+@torch.inference_mode()
 def time_cases(cases, rows, seconds_per_case: float = 0.01, after: Callable[[], object] | None = None,
                clock: Clock | None = None) -> dict[int, float]:
     """Milliseconds one pass over a model's linear layers takes at each row count
