@@ -589,7 +589,8 @@ TEST(QuantLinear, BadArgumentsRaiseKernelArgumentError) {
   std::vector<uint8_t> raw = random_blocks(QType::kQ4_1, n, k, rng);
   const int64_t rb = k / 32 * 20;
   auto raw_arg = arg(raw, {n, rb}, DType::kUInt8, "raw");
-  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_0", n, k), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q3_k", n, k), KernelArgumentError);  // not a type we read
+  EXPECT_THROW(QuantizedWeight(raw_arg, "q4_0", n, k), KernelArgumentError);  // shape for q4_1
   EXPECT_THROW(QuantizedWeight(raw_arg, "q8_0", n, k), KernelArgumentError);  // shape for q4_1
   EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", n, 48), KernelArgumentError);  // K not a multiple of 32
   EXPECT_THROW(QuantizedWeight(raw_arg, "q4_1", n, 0), KernelArgumentError);

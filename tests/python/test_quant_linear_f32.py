@@ -20,18 +20,6 @@ pytest.importorskip("gguf", reason="gguf-py is not installed")
 from pagedserve.model.quantization import dequantize_rows, quantize_rows  # noqa: E402
 
 
-def variants():
-    return [name for name, supported, _needs in cpu.quant_compiled_isas() if supported]
-
-
-@pytest.fixture(params=variants())
-def variant(request):
-    active = cpu.quant_kernel_isa()
-    cpu.set_quant_kernel_isa(request.param)
-    yield request.param
-    cpu.set_quant_kernel_isa(active)
-
-
 def weights(qtype, n, k, seed):
     g = torch.Generator().manual_seed(seed)
     blocks = quantize_rows(torch.randn(n, k, generator=g) * 0.05 + 0.01, qtype)
@@ -41,7 +29,7 @@ def weights(qtype, n, k, seed):
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("n,k", [(40, 64), (960, 576), (576, 1536)])
 @pytest.mark.parametrize("m", [1, 5, 12, 13, 32, 100])
-def test_linear_f32_matches_torch_on_the_dequantised_weights(variant, qtype, n, k, m):
+def test_linear_f32_matches_torch_on_the_dequantised_weights(quant_variant, qtype, n, k, m):
     w, dense = weights(qtype, n, k, seed=n + k)
     g = torch.Generator().manual_seed(m)
     x = torch.randn(m, k, generator=g)
@@ -51,11 +39,11 @@ def test_linear_f32_matches_torch_on_the_dequantised_weights(variant, qtype, n, 
     torch.testing.assert_close(out, F.linear(x, dense, bias), rtol=1e-5, atol=1e-5)
     again = torch.full((m, n), float("nan"))
     w.linear_f32(x, again, bias, 1)
-    assert torch.equal(out, again), f"{variant}: 1 and 2 threads differ"
+    assert torch.equal(out, again), f"{quant_variant}: 1 and 2 threads differ"
 
 
 @pytest.mark.parametrize("qtype", ["q4_1", "q8_0"])
-def test_linear_f32_of_one_hot_rows_is_the_dequantised_weight(variant, qtype):
+def test_linear_f32_of_one_hot_rows_is_the_dequantised_weight(quant_variant, qtype):
     n, k = 72, 96
     w, dense = weights(qtype, n, k, seed=3)
     eye = torch.eye(k)

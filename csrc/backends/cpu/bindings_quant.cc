@@ -24,18 +24,23 @@ namespace {
 void bind_quant(py::module_& m) {
   py::class_<QuantizedWeight, std::shared_ptr<QuantizedWeight>>(
       m, "QuantizedWeight",
-      "A GGUF Q4_1 or Q8_0 weight matrix [out_features, in_features] kept in its blocks (repacked into "
-      "16-row interleaved tiles) for integer linear layers: activations quantised per row and 32-group to int8 "
-      "(llama.cpp's Q8_1 scheme), block dots by AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw or scalar C++.")
+      "A GGUF-quantised weight matrix [out_features, in_features] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or "
+      "Q6_K) kept in 16-row interleaved tiles of its exact values: linear_f32 multiplies float32 activations with "
+      "them (every type); linear quantises activations per row and 32-group to int8 (llama.cpp's Q8_1 scheme) "
+      "for integer block dots by AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw or scalar C++ (Q4_1, Q8_0).")
       .def(py::init([](py::handle raw, const std::string& qtype, int64_t out_features, int64_t in_features) {
              auto r = tensor_arg(raw, "raw");
              py::gil_scoped_release release;
              return std::make_shared<QuantizedWeight>(r, qtype, out_features, in_features);
            }),
            py::arg("raw"), py::arg("qtype"), py::arg("out_features"), py::arg("in_features"),
-           "raw: uint8 [out_features, in_features / 32 * block_bytes] contiguous, the tensor's GGUF blocks row by "
-           "row (20 bytes per Q4_1 block, 34 per Q8_0 block); qtype 'q4_1' or 'q8_0'; in_features a multiple of "
-           "32. The bytes are copied. Raises KernelArgumentError.")
+           "raw: uint8 [out_features, in_features / block_elements * block_bytes] contiguous, the tensor's GGUF "
+           "blocks row by row (per block of 32 elements: Q4_0 18 bytes, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34; per "
+           "256: Q4_K 144, Q5_K 176, Q6_K 210); qtype 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k' or "
+           "'q6_k'; in_features a multiple of the block's elements. The bytes are copied (Q4_1 and Q8_0 as they "
+           "are; Q4_0, Q5_0, Q5_1, Q4_K, Q5_K as 5-bit quants with float32 scales, 0.875 bytes per weight; Q6_K "
+           "as int8 quants with float32 scales per 16 elements, 1.5 bytes per weight). "
+           "Raises KernelArgumentError.")
       .def(
           "dequantize",
           [](const QuantizedWeight& w, py::handle out, int num_threads) {
@@ -45,7 +50,7 @@ void bind_quant(py::module_& m) {
           },
           py::arg("out"), py::arg("num_threads") = 1,
           "out [out_features, in_features] = the dequantised weights: float32 bit-identical to "
-          "gguf.quants.dequantize (d * q + m, rounded twice), or bfloat16 (those rounded to nearest even); rows "
+          "gguf.quants.dequantize (e.g. d * q + m, rounded twice), or bfloat16 (those rounded to nearest even); rows "
           "split over num_threads threads. Raises KernelArgumentError.")
       .def(
           "linear",
@@ -59,7 +64,8 @@ void bind_quant(py::module_& m) {
           py::arg("x"), py::arg("out"), py::arg("bias") = py::none(), py::arg("num_threads") = 1,
           "out [M, out_features] = x [M, in_features] @ W.T (+ bias float32 [out_features]); x and out float32 "
           "or bfloat16 (the same), contiguous; x quantised to int8 per row and 32-group (scale amax/127), integer "
-          "block dots, float32 accumulation. num_threads in [1, 1024]. Raises KernelArgumentError.")
+          "block dots, float32 accumulation. Q4_1 and Q8_0 weights only. num_threads in [1, 1024]. Raises "
+          "KernelArgumentError.")
       .def(
           "linear_f32",
           [](const QuantizedWeight& w, py::handle x, py::handle out, py::object bias, int num_threads) {
@@ -87,7 +93,13 @@ void bind_quant(py::module_& m) {
           "an embedding lookup on the blocks. Raises KernelArgumentError (an id outside [0, out_features)).")
       .def_property_readonly("nbytes", &QuantizedWeight::nbytes,
                              "Bytes of weight storage held (rows padded to a multiple of 16).")
-      .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); })
+      .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); },
+                             "The GGUF block type the weight was given in ('q4_1', 'q6_k', ...).")
+      .def_property_readonly(
+          "integer_kernels", [](const QuantizedWeight& w) {
+            return w.tile_format() == TileFormat::kQ4_1 || w.tile_format() == TileFormat::kQ8_0;
+          },
+          "Whether linear (int8 activations) runs this weight (Q4_1, Q8_0); linear_f32 runs every type.")
       .def_property_readonly("in_features", &QuantizedWeight::in_features)
       .def_property_readonly("out_features", &QuantizedWeight::out_features);
 

@@ -267,7 +267,7 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // ---- the exact float32 GEMM (gemm_f32): float32 activations, weights expanded exactly ----
 //
 // The weights are expanded from the tiles to gguf-py's float32 values (Q4_1
-// d * q + m, Q8_0 d * q: quant_isa.h) and multiplied with the float32
+// d * q + m, Q8_0 d * q, i8f d * q + m: quant_isa.h) and multiplied with the float32
 // activations, accumulated in float32 along k in order. The SIMD variants
 // hold vectors along N (lane j = row 16 g + j): element e of a block is byte
 // e % 4 (Q4_1: nibble e / 16) of every lane of one 64-byte qs row, so one
@@ -277,16 +277,40 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
 // (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
+// u5f / s5f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
+// bits for every type), d * 2^-24 stays normal for every d the repacking
+// makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's
+// d * q + m (or d * q - dm) does after its exact product.
 // Per (row, column) the accumulation is one chain acc = fma(x, w, acc) over
 // k = 0 .. K-1 (the scalar variant: acc + x * w, two roundings) in every
 // path, so a row's result does not depend on the tiling, the work split or
 // the thread count.
 
 // Bytes of one repacked tile of a Q (quant_isa.h).
-template <QType Q>
+template <TileFormat Q>
 constexpr int64_t tile_bytes_of() {
-  return Q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes;
+  return Q == TileFormat::kQ4_1 ? kQ41TileBytes : Q == TileFormat::kQ8_0 ? kQ80TileBytes
+         : Q == TileFormat::kI8F ? kI8FTileBytes : k5FTileBytes;
 }
+
+// The 5-bit formats (u5f, s5f: quant_isa.h): float d[16] at 0, m[16] at 64,
+// the nibbles at k5FNibbles in q4_1's order, the high bits (uint32 per row) at k5FHigh.
+template <TileFormat Q>
+constexpr bool five_bit() {
+  return Q == TileFormat::kU5F || Q == TileFormat::kS5F;
+}
+constexpr int k5FNibbles = 128;
+constexpr int k5FHigh = 384;
+
+// Whether a format's scales change at element 16 of a block (i8f: one d and m
+// per 16 elements); the SIMD loops reload them there.
+template <TileFormat Q>
+constexpr bool half_scales() {
+  return Q == TileFormat::kI8F;
+}
+
+// Byte offset of the quants in an i8f tile (after float d[2][16] and m[2][16]).
+constexpr int kI8FQuants = 256;
 
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(16, N - c0).
 inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, const float* acc) {
@@ -305,7 +329,7 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
   for (int64_t b = 0; b < nb; ++b) {
     const int8_t* xq = a.x.xq + (b * a.m + r) * kQBlock;
     const float xd = a.x.xd[b * a.m + r], xs = a.x.xs[b * a.m + r];
-    if (a.qtype == QType::kQ4_1) {
+    if (a.format == TileFormat::kQ4_1) {
       const uint8_t* t = a.w + (g * nb + b) * kQ41TileBytes;
       for (int j = 0; j < kQRows; ++j) {
         int32_t isum = 0;
@@ -348,7 +372,7 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // float32: the product and the sum rounded separately, -ffp-contract=off).
 void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float* w) {
   const int64_t nb = a.k / kQBlock;
-  if (a.qtype == QType::kQ4_1) {
+  if (a.format == TileFormat::kQ4_1) {
     const uint8_t* t = a.w + (g * nb + b) * kQ41TileBytes;
     const int p = (e & 15) >> 2, byte = e & 3;
     for (int j = 0; j < kQRows; ++j) {
@@ -357,11 +381,38 @@ void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float
       const float prod = half_to_float(load_u16(t + 2 * j)) * q;
       w[j] = prod + half_to_float(load_u16(t + 32 + 2 * j));
     }
-  } else {
+  } else if (a.format == TileFormat::kQ8_0) {
     const uint8_t* t = a.w + (g * nb + b) * kQ80TileBytes;
     for (int j = 0; j < kQRows; ++j) {
       const int8_t q = static_cast<int8_t>(t[32 + 64 * (e >> 2) + 4 * j + (e & 3)]);
       w[j] = half_to_float(load_u16(t + 2 * j)) * static_cast<float>(q);
+    }
+  } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kS5F) {
+    const uint8_t* t = a.w + (g * nb + b) * k5FTileBytes;
+    const int p = (e & 15) >> 2, byte = e & 3;
+    for (int j = 0; j < kQRows; ++j) {
+      const uint8_t qs = t[k5FNibbles + 64 * p + 4 * j + byte];
+      uint32_t qh;
+      memcpy(&qh, t + k5FHigh + 4 * j, 4);
+      int v = (e < 16 ? qs & 0x0F : qs >> 4) | static_cast<int>((qh >> e) & 1u) << 4;
+      float d, m;
+      memcpy(&d, t + 4 * j, 4);
+      memcpy(&m, t + 64 + 4 * j, 4);
+      if (a.format == TileFormat::kS5F) {
+        w[j] = d * static_cast<float>(v >= 16 ? v - 32 : v);  // exact: gguf-py's d * (q - offset)
+      } else {
+        const float prod = d * static_cast<float>(v);
+        w[j] = prod + m;
+      }
+    }
+  } else {
+    const uint8_t* t = a.w + (g * nb + b) * kI8FTileBytes;
+    const float* d = reinterpret_cast<const float*>(t) + kQRows * (e >> 4);
+    const float* m = reinterpret_cast<const float*>(t + 128) + kQRows * (e >> 4);
+    for (int j = 0; j < kQRows; ++j) {
+      const int8_t q = static_cast<int8_t>(t[kI8FQuants + 64 * (e >> 2) + 4 * j + (e & 3)]);
+      const float prod = d[j] * static_cast<float>(q);
+      w[j] = prod + m[j];
     }
   }
 }
@@ -443,7 +494,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
 // pf: nullptr, or the next row group's tiles, prefetched block by block (a
 // model's weights do not stay in the caches from one step to the next; once a
 // group's first pass has brought its tiles in, the other passes find them in L1).
-template <QType Q, int R>
+template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   // cache lines per tile: 320 bytes from a 64-byte boundary (Q4_1); 544 bytes
@@ -465,12 +516,12 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
     }
     __m512i s[C][R];
     for (int i = 0; i < R; ++i) {
-      s[0][i] = Q == QType::kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xsum128[i]);
+      s[0][i] = Q == TileFormat::kQ4_1 ? _mm512_setzero_si512() : _mm512_set1_epi32(xsum128[i]);
       if constexpr (C == 2) s[1][i] = _mm512_setzero_si512();
     }
     for (int c = 0; c < 8; ++c) {
       __m512i w;
-      if constexpr (Q == QType::kQ4_1) {
+      if constexpr (Q == TileFormat::kQ4_1) {
         const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * (c & 3));
         w = _mm512_and_si512(c < 4 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
       } else {
@@ -484,7 +535,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
       const __m512 scale = _mm512_mul_ps(dv, _mm512_set1_ps(xd[i]));
       acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(si), scale, acc[i]);
     }
-    if constexpr (Q == QType::kQ4_1) {
+    if constexpr (Q == TileFormat::kQ4_1) {
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
       for (int i = 0; i < R; ++i) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[i]), acc[i]);
     }
@@ -495,7 +546,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 // Row group by row group; the first pass over a group prefetches the next one
 // (one group ahead: its first pass then finds the tiles in L1 or L2 instead of
 // waiting on L3 / memory).
-template <QType Q>
+template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
@@ -517,10 +568,10 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
 }
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  if (a.qtype == QType::kQ4_1) {
-    gemm_typed<QType::kQ4_1>(a, g0, g1, m0, m1);
+  if (a.format == TileFormat::kQ4_1) {
+    gemm_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1);
   } else {
-    gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
+    gemm_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1);
   }
 }
 
@@ -538,33 +589,61 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 
 // The dequantised weights of element e (0..31) of the tile at t for its 16
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
-template <QType Q>
+template <TileFormat Q>
 inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, __m512 d, __m512 m) {
-  if constexpr (Q == QType::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
     const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * p);
     const __m512i idx = shift == 0 ? raw : _mm512_srli_epi32(raw, shift);
     const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
                                         14.f, 15.f);
     return _mm512_fmadd_ps(_mm512_permutexvar_ps(idx, table), d, m);  // exact d * q: one rounding either way
+  } else if constexpr (five_bit<Q>()) {
+    const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
+    const __m512i raw = _mm512_loadu_si512(t + k5FNibbles + 64 * p);
+    const __m512i nib = _mm512_and_si512(_mm512_srli_epi32(raw, shift), _mm512_set1_epi32(0x0F));
+    const __m512i qh = _mm512_loadu_si512(t + k5FHigh);
+    const __m512i hb = _mm512_and_si512(e >= 4 ? _mm512_srli_epi32(qh, e - 4) : _mm512_slli_epi32(qh, 4 - e),
+                                        _mm512_set1_epi32(0x10));
+    __m512i v = _mm512_or_si512(nib, hb);
+    if constexpr (Q == TileFormat::kS5F) {  // a signed 5-bit number: d * v exact, gguf-py's one product
+      v = _mm512_srai_epi32(_mm512_slli_epi32(v, 27), 27);
+      (void)m;
+      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
+    }
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
   } else {
     const int c = e >> 2, byte = e & 3;
-    const __m512i raw = _mm512_loadu_si512(t + 32 + 64 * c);
+    const __m512i raw = _mm512_loadu_si512(t + (Q == TileFormat::kQ8_0 ? 32 : kI8FQuants) + 64 * c);
     // byte `byte` of each dword to its top byte, the rest zero: q * 2^24 as int32
     const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
     const __m512i ctl = _mm512_add_epi32(_mm512_set1_epi32(top), _mm512_set_epi32(
         12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24,
         8 << 24, 4 << 24, 0));
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, ctl));
+    if constexpr (Q == TileFormat::kI8F) return _mm512_fmadd_ps(q, d, m);  // exact d * q, one rounding
     (void)m;
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, ctl)), d);
+    return _mm512_mul_ps(q, d);
   }
 }
 
-// The tile's scales for expand16: d (Q8_0: d * 2^-24) and m (Q4_1; else zero).
-template <QType Q>
-inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m) {
+// The tile's scales for expand16: d (Q8_0, i8f: d * 2^-24) and m (Q4_1, u5f,
+// i8f; s5f's is unused; else zero); eh: which 16 elements of the block (i8f's
+// scales change there).
+template <TileFormat Q>
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
+  if constexpr (five_bit<Q>()) {
+    *d = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
+    *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
+    return;
+  }
+  if constexpr (Q == TileFormat::kI8F) {
+    *d = _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * eh), _mm512_set1_ps(0x1p-24f));
+    *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 128) + kQRows * eh);
+    return;
+  }
   *d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));
-  if constexpr (Q == QType::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1) {
     *m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32)));
   } else {
     *d = _mm512_mul_ps(*d, _mm512_set1_ps(0x1p-24f));
@@ -581,7 +660,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
 }
 
 // Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups).
-template <QType Q, int G>
+template <TileFormat Q, int G>
 inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
                                                           int64_t b) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
@@ -596,7 +675,7 @@ inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs
 
 // Out rows t0 .. t0+R-1 (the whole row tile at t0) x row groups g .. g+G-1,
 // expanding in registers; prefetches the next G groups' tiles.
-template <QType Q, int G, int R>
+template <TileFormat Q, int G, int R>
 void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
@@ -613,6 +692,9 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
     for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 1);
+      }
       __m512 w[G];
       for (int gi = 0; gi < G; ++gi) w[gi] = expand16<Q>(t + gi * gstride, e, d[gi], m[gi]);
       for (int i = 0; i < R; ++i) {
@@ -629,7 +711,7 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
 
 // ws[(k - 32 b0) * 16 G + 16 gi + j] = the weight of row 16 (g + gi) + j,
 // element k, for the blocks [b0, b1).
-template <QType Q, int G>
+template <TileFormat Q, int G>
 void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, float* ws) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
@@ -640,7 +722,12 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, fl
     for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
-      for (int gi = 0; gi < G; ++gi) _mm512_store_ps(ws + (e * G + gi) * 16, expand16<Q>(t + gi * gstride, e, d[gi], m[gi]));
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 1);
+      }
+      for (int gi = 0; gi < G; ++gi) {
+        _mm512_store_ps(ws + (e * G + gi) * 16, expand16<Q>(t + gi * gstride, e, d[gi], m[gi]));
+      }
     }
   }
 }
@@ -684,7 +771,7 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
   }
 }
 
-template <QType Q, int G, int R>
+template <TileFormat Q, int G, int R>
 void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws, int64_t k0, int64_t k1) {
   if (ws == nullptr) {
     f32_direct<Q, G, R>(a, g, t0);
@@ -695,7 +782,7 @@ void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws,
 
 // One row tile (rt = its row count, 1 .. 12) x groups g .. g+G-1; ws: nullptr
 // (expand in registers, all of K) or the groups' expanded weights of [k0, k1).
-template <QType Q, int G>
+template <TileFormat Q, int G>
 void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt, const float* ws, int64_t k0,
                    int64_t k1) {
   switch (rt) {
@@ -719,7 +806,7 @@ void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt,
 // row tile runs over them.
 constexpr int64_t kF32ChunkBlocks = 4;
 
-template <QType Q, int G>
+template <TileFormat Q, int G>
 void f32_groups(const QuantF32GemmArgs& a, int64_t g, int64_t m0, int64_t m1, float* scratch) {
   if (m1 - m0 <= kF32Rows) {  // one tile: expand in registers
     f32_tile_rows<Q, G>(a, g, m0, m1 - m0, nullptr, 0, a.k);
@@ -735,7 +822,7 @@ void f32_groups(const QuantF32GemmArgs& a, int64_t g, int64_t m0, int64_t m1, fl
   }
 }
 
-template <QType Q>
+template <TileFormat Q>
 void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   int64_t g = g0;
   for (; g + 2 <= g1; g += 2) f32_groups<Q, 2>(a, g, m0, m1, scratch);
@@ -782,7 +869,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
 
 // Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7; pf as in the
 // AVX-512 pass.
-template <QType Q, int R>
+template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
@@ -800,7 +887,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
       pf += kTile;
     }
     __m256i s[R];
-    if constexpr (Q == QType::kQ4_1) {
+    if constexpr (Q == TileFormat::kQ4_1) {
       const __m256i low = _mm256_set1_epi8(0x0F);
 #if PAGEDSERVE_QISA_LEVEL == 2
       for (int i = 0; i < R; ++i) s[i] = _mm256_setzero_si256();
@@ -855,7 +942,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
       const __m256 scale = _mm256_mul_ps(dv, _mm256_set1_ps(xd[i]));
       acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), scale, acc[i]);
     }
-    if constexpr (Q == QType::kQ4_1) {
+    if constexpr (Q == TileFormat::kQ4_1) {
       const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
       for (int i = 0; i < R; ++i) acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i]), acc[i]);
     }
@@ -864,7 +951,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
 }
 
 // The first pass over a group prefetches the next one (as in the AVX-512 gemm).
-template <QType Q>
+template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
@@ -886,10 +973,10 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
 }
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  if (a.qtype == QType::kQ4_1) {
-    gemm_typed<QType::kQ4_1>(a, g0, g1, m0, m1);
+  if (a.format == TileFormat::kQ4_1) {
+    gemm_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1);
   } else {
-    gemm_typed<QType::kQ8_0>(a, g0, g1, m0, m1);
+    gemm_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1);
   }
 }
 // ---- exact float32 GEMM, 256-bit (AVX2 + FMA): one row group (two ymm) x up to 6 activation rows ----
@@ -903,29 +990,61 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 
 // The dequantised weights of element e of the tile at t for rows 8 h .. 8 h + 7
 // of its group; d, m that half's scales (Q8_0: d * 2^-24).
-template <QType Q>
+template <TileFormat Q>
 inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, int e, __m256 d, __m256 m) {
-  if constexpr (Q == QType::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
     const __m256i q = shift == 28 ? _mm256_srli_epi32(raw, 28)
                                   : _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);  // exact d * q: one rounding either way
+  } else if constexpr (five_bit<Q>()) {
+    const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FNibbles + 64 * p + 32 * h));
+    const __m256i nib = shift == 28 ? _mm256_srli_epi32(raw, 28)
+                                    : _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FHigh + 32 * h));
+    const __m256i hb = _mm256_and_si256(e >= 4 ? _mm256_srli_epi32(qh, e - 4) : _mm256_slli_epi32(qh, 4 - e),
+                                        _mm256_set1_epi32(0x10));
+    __m256i v = _mm256_or_si256(nib, hb);
+    if constexpr (Q == TileFormat::kS5F) {  // a signed 5-bit number: d * v exact, gguf-py's one product
+      v = _mm256_srai_epi32(_mm256_slli_epi32(v, 27), 27);
+      (void)m;
+      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
+    }
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
   } else {
     const int c = e >> 2, byte = e & 3;
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
+    const int base = Q == TileFormat::kQ8_0 ? 32 : kI8FQuants;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + base + 64 * c + 32 * h));
     const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
     const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(top),
                                          _mm256_set_epi32(12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0));
+    const __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(raw, ctl));
+    if constexpr (Q == TileFormat::kI8F) return _mm256_fmadd_ps(q, d, m);  // exact d * q, one rounding
     (void)m;
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(raw, ctl)), d);
+    return _mm256_mul_ps(q, d);
   }
 }
 
-template <QType Q>
-inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m) {
+// The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i8f: d * 2^-24) and
+// m (Q4_1, u5f, i8f; s5f's is unused; else zero); eh: which 16 elements of the
+// block (i8f's scales change there).
+template <TileFormat Q>
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
+  if constexpr (five_bit<Q>()) {
+    *d = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);
+    *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
+    return;
+  }
+  if constexpr (Q == TileFormat::kI8F) {
+    const float* s = reinterpret_cast<const float*>(t) + kQRows * eh + 8 * h;
+    *d = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(0x1p-24f));
+    *m = _mm256_loadu_ps(s + 2 * kQRows);
+    return;
+  }
   *d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));
-  if constexpr (Q == QType::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1) {
     *m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 32 + 16 * h)));
   } else {
     *d = _mm256_mul_ps(*d, _mm256_set1_ps(0x1p-24f));
@@ -948,7 +1067,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
 
 // Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row group g,
 // the weights expanded in registers (R <= kF32DirectRows, see f32_pass).
-template <QType Q, int R>
+template <TileFormat Q, int R>
 void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
@@ -971,6 +1090,9 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
     const int64_t kb = b * kQBlock;
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h], 1);
+      }
       __m256 w[2];
       for (int h = 0; h < 2; ++h) w[h] = expand8<Q>(t, h, e, d[h], m[h]);
       for (int i = 0; i < R; ++i) {
@@ -990,7 +1112,7 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
 // measured on a 2-core EPYC without AVX-512, one pass over SmolLM2's layers at
 // 1 row 12.5 -> 7.4 ms, bench/quant_linear_f32.py). Each output's chain is
 // f32_pass_direct's, k = 0 .. K-1 in order, so the results are the same bits.
-template <QType Q>
+template <TileFormat Q>
 void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   constexpr int kLines = (kTile + 63) / 64;
@@ -1019,6 +1141,11 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
     const float* xb = xr + b * kQBlock;
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int p = 0; p < 2; ++p) {
+          for (int h = 0; h < 2; ++h) tile_scales<Q>(t[p], h, &d[p][h], &m[p][h], 1);
+        }
+      }
       const __m256 xv = _mm256_broadcast_ss(xb + e);
       for (int p = 0; p < 2; ++p) {
         for (int h = 0; h < 2; ++h) acc[p][h] = _mm256_fmadd_ps(expand8<Q>(t[p], h, e, d[p][h], m[p][h]), xv, acc[p][h]);
@@ -1066,7 +1193,7 @@ void f32_pass_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t 
 constexpr int kF32DirectRows = 4;
 
 // ws: nullptr (expand in registers; R <= kF32DirectRows) or f32_expand's weights.
-template <QType Q, int R>
+template <TileFormat Q, int R>
 void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
   if constexpr (R <= kF32DirectRows) {
     if (ws == nullptr) {
@@ -1078,7 +1205,7 @@ void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, cons
 }
 
 // ws[16 k + 8 h + j] = the weight of row 16 g + 8 h + j, element k.
-template <QType Q>
+template <TileFormat Q>
 void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
   constexpr int64_t kTile = tile_bytes_of<Q>();
   const int64_t nb = a.k / kQBlock;
@@ -1088,12 +1215,15 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
     for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h], 1);
+      }
       for (int h = 0; h < 2; ++h) _mm256_store_ps(ws + 16 * e + 8 * h, expand8<Q>(t, h, e, d[h], m[h]));
     }
   }
 }
 
-template <QType Q>
+template <TileFormat Q>
 void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, int64_t rows, const float* ws) {
   switch (rows) {
     case 1: f32_pass<Q, 1>(a, g, t0, i0, ws); break;
@@ -1107,7 +1237,7 @@ void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, int6
 
 // A tile's rows run as passes of equal size (8 rows: 4 + 4, not 6 + 2, whose
 // 4 accumulators cannot cover the FMA latency).
-template <QType Q>
+template <TileFormat Q>
 void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   constexpr int64_t kPassRows = kF32Rows / 2;
   for (int64_t g = g0; g < g1; ++g) {
@@ -1134,10 +1264,12 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
 #if PAGEDSERVE_QISA_LEVEL != 0
 // Both SIMD levels: their gemm_f32_typed per block type.
 void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
-  if (a.qtype == QType::kQ4_1) {
-    gemm_f32_typed<QType::kQ4_1>(a, g0, g1, m0, m1, scratch);
-  } else {
-    gemm_f32_typed<QType::kQ8_0>(a, g0, g1, m0, m1, scratch);
+  switch (a.format) {
+    case TileFormat::kQ4_1: gemm_f32_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kQ8_0: gemm_f32_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kS5F: gemm_f32_typed<TileFormat::kS5F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kI8F: gemm_f32_typed<TileFormat::kI8F>(a, g0, g1, m0, m1, scratch); break;
   }
 }
 #endif

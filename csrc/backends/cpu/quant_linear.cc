@@ -1,6 +1,7 @@
-// QuantizedWeight: GGUF Q4_1 / Q8_0 weights repacked for the integer kernels
-// of quant_kernels.cc, the run-time choice of their variant, dequantisation
-// and the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
+// QuantizedWeight: GGUF weights repacked into the tiles of quant_kernels.cc
+// (Q4_1 / Q8_0 as they are, the other types decoded into i8f by
+// gguf_types.cc), the run-time choice of their variant, dequantisation and
+// the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
 // dequantisation must round d * q and + m separately, as numpy does).
 #include "quant_linear.h"
 
@@ -18,6 +19,7 @@
 #include "cpu_features.h"
 #include "cpu_isa.h"
 #include "cpu_relax.h"
+#include "gguf_types.h"
 #include "scalar_convert.h"
 #include "thread_pool.h"
 
@@ -48,7 +50,16 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-int tile_bytes(QType q) { return q == QType::kQ4_1 ? kQ41TileBytes : kQ80TileBytes; }
+int tile_bytes(TileFormat f) {
+  switch (f) {
+    case TileFormat::kQ4_1: return kQ41TileBytes;
+    case TileFormat::kQ8_0: return kQ80TileBytes;
+    case TileFormat::kU5F:
+    case TileFormat::kS5F: return k5FTileBytes;
+    case TileFormat::kI8F: return kI8FTileBytes;
+  }
+  return kI8FTileBytes;
+}
 
 const QuantIsaVariant* find_quant(const std::string& name) {
   for (const QuantIsaVariant& v : compiled_quant_isas()) {
@@ -173,26 +184,18 @@ void set_active_quant_isa(const std::string& name) {
   g_active.store(v);
 }
 
-QType parse_qtype(const std::string& name) {
-  if (name == "q4_1" || name == "Q4_1") return QType::kQ4_1;
-  if (name == "q8_0" || name == "Q8_0") return QType::kQ8_0;
-  throw KernelArgumentError("qtype must be 'q4_1' or 'q8_0', got '" + name + "'");
-}
-
-const char* qtype_name(QType q) { return q == QType::kQ4_1 ? "q4_1" : "q8_0"; }
-
-int64_t qtype_block_bytes(QType q) { return q == QType::kQ4_1 ? 20 : 34; }
-
 void QuantizedWeight::Free::operator()(uint8_t* p) const { huge_page_free(p); }
 
 namespace {
 
-void check_dims(int64_t n, int64_t k) {
+void check_dims(QType q, int64_t n, int64_t k) {
   if (n < 1 || n > kMaxDim) {
     throw KernelArgumentError("out_features must be in [1, 2^31], got " + std::to_string(n));
   }
-  if (k < kQBlock || k > kMaxDim || k % kQBlock != 0) {
-    throw KernelArgumentError("in_features must be a positive multiple of 32 (GGUF blocks hold 32 elements), got " +
+  const int64_t be = qtype_block_elements(q);
+  if (k < be || k > kMaxDim || k % be != 0) {
+    throw KernelArgumentError("in_features must be a positive multiple of " + std::to_string(be) + " (" +
+                              qtype_name(q) + " blocks hold " + std::to_string(be) + " elements), got " +
                               std::to_string(k));
   }
   if (n * (k / kQBlock) > (int64_t{1} << 36)) {
@@ -202,10 +205,10 @@ void check_dims(int64_t n, int64_t k) {
 }
 
 const TensorArg& checked_raw(const TensorArg& raw, QType q, int64_t n, int64_t k) {
-  check_dims(n, k);
+  check_dims(q, n, k);
   raw.check_dtype(DType::kUInt8);
   raw.check_dim(2);
-  raw.check_shape({n, k / kQBlock * qtype_block_bytes(q)});
+  raw.check_shape({n, k / qtype_block_elements(q) * qtype_block_bytes(q)});
   raw.check_contiguous();
   return raw;
 }
@@ -218,15 +221,19 @@ QuantizedWeight::QuantizedWeight(const TensorArg& raw, const std::string& qtype,
                       parse_qtype(qtype), out_features, in_features) {}
 
 QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_features, int64_t in_features)
-    : qtype_(qtype), n_(out_features), k_(in_features) {
-  check_dims(n_, k_);
-  const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(qtype_);
+    : qtype_(qtype), format_(tile_format_of(qtype)), n_(out_features), k_(in_features) {
+  check_dims(qtype_, n_, k_);
+  const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(format_);
   const int64_t bb = qtype_block_bytes(qtype_);
   nbytes_ = groups * nb * tb;
   // every decode step streams all tiles of a model: huge pages spare the TLB misses (huge_pages.h)
   tiles_.reset(static_cast<uint8_t*>(huge_page_alloc(static_cast<size_t>(nbytes_))));
   uint8_t* tiles = tiles_.get();
   std::memset(tiles, 0, static_cast<size_t>(nbytes_));  // padding rows: d = m = q = 0
+  if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {
+    repack_decoded(raw);
+    return;
+  }
   for (int64_t row = 0; row < n_; ++row) {
     const int64_t g = row / kQRows, j = row % kQRows;
     for (int64_t b = 0; b < nb; ++b) {
@@ -246,11 +253,73 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
 
 QuantizedWeight::~QuantizedWeight() = default;
 
+void QuantizedWeight::repack_decoded(const uint8_t* raw) {
+  const int64_t nb = k_ / kQBlock, tb = tile_bytes(format_);
+  const int64_t row_bytes = k_ / qtype_block_elements(qtype_) * qtype_block_bytes(qtype_);
+  std::vector<int8_t> qs(static_cast<size_t>(k_));
+  std::vector<float> d(static_cast<size_t>(k_ / 16)), m(static_cast<size_t>(k_ / 16));
+  for (int64_t row = 0; row < n_; ++row) {
+    decode_row_i8f(qtype_, raw + row * row_bytes, k_, qs.data(), d.data(), m.data());
+    const int64_t g = row / kQRows, j = row % kQRows;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+      if (format_ != TileFormat::kI8F) {  // u5f / s5f: one scale per 32 (both halves' are equal), 5 bits a quant
+        std::memcpy(t + 4 * j, &d[static_cast<size_t>(2 * b)], 4);
+        std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
+        uint32_t high = 0;
+        for (int e = 0; e < kQBlock; ++e) {
+          // s5f: the 5-bit two's complement of q - 8 or q - 16
+          const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)]) & 0x1Fu;
+          uint8_t& byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+          byte = static_cast<uint8_t>(byte | ((v & 0x0Fu) << (e < 16 ? 0 : 4)));
+          high |= (v >> 4) << e;
+        }
+        std::memcpy(t + 384 + 4 * j, &high, 4);
+        continue;
+      }
+      for (int h = 0; h < 2; ++h) {
+        std::memcpy(t + 4 * (kQRows * h + j), &d[static_cast<size_t>(2 * b + h)], 4);
+        std::memcpy(t + 128 + 4 * (kQRows * h + j), &m[static_cast<size_t>(2 * b + h)], 4);
+      }
+      const int8_t* src = qs.data() + b * kQBlock;
+      for (int c = 0; c < 8; ++c) std::memcpy(t + 256 + 64 * c + 4 * j, src + 4 * c, 4);
+    }
+  }
+}
+
 void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
-  const int64_t nb = k_ / kQBlock, tb = tile_bytes(qtype_);
+  const int64_t nb = k_ / kQBlock, tb = tile_bytes(format_);
   const int64_t g = row / kQRows, j = row % kQRows;
   for (int64_t b = 0; b < nb; ++b, dst += kQBlock) {
     const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+    if (format_ == TileFormat::kU5F || format_ == TileFormat::kS5F) {
+      float d, m;
+      uint32_t high;
+      std::memcpy(&d, t + 4 * j, 4);
+      std::memcpy(&m, t + 64 + 4 * j, 4);
+      std::memcpy(&high, t + 384 + 4 * j, 4);
+      for (int e = 0; e < kQBlock; ++e) {
+        const uint8_t byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+        const int v = (e < 16 ? byte & 0x0F : byte >> 4) | static_cast<int>((high >> e) & 1u) << 4;
+        if (format_ == TileFormat::kS5F) {
+          dst[e] = d * static_cast<float>(v >= 16 ? v - 32 : v);  // one exact product, as gguf-py
+        } else {
+          const float prod = d * static_cast<float>(v);
+          dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
+        }
+      }
+      continue;
+    }
+    if (format_ == TileFormat::kI8F) {
+      for (int e = 0; e < kQBlock; ++e) {
+        float d, m;
+        std::memcpy(&d, t + 4 * (kQRows * (e / 16) + j), 4);
+        std::memcpy(&m, t + 128 + 4 * (kQRows * (e / 16) + j), 4);
+        const float prod = d * static_cast<float>(static_cast<int8_t>(t[256 + 64 * (e / 4) + 4 * j + e % 4]));
+        dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
+      }
+      continue;
+    }
     const float d = half_to_float(load_u16(t + 2 * j));
     if (qtype_ == QType::kQ4_1) {
       const float m = half_to_float(load_u16(t + 32 + 2 * j));
@@ -325,6 +394,10 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
   if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16) {
     throw KernelArgumentError(x.name + " must be float32 or bfloat16, got " + dtype_name(x.dtype));
   }
+  if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {
+    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_1 and q8_0 weights; this one is ") +
+                              qtype_name(qtype_) + ": use linear_f32");
+  }
   const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
   linear_raw(x.data, x.dtype, m, out.data, bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
@@ -349,7 +422,7 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
   if (num_threads > 1 && passes >= kInlineTilePasses) pool = ThreadPool::get(num_threads);
 
   QuantGemmArgs a{};
-  a.qtype = qtype_;
+  a.format = format_;
   a.w = tiles_.get();
   a.n = n_;
   a.k = k_;
@@ -425,7 +498,7 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
   const int64_t groups = (n_ + kQRows - 1) / kQRows;
   thread_local F32Scratch tls;  // the calling thread's scratch (the pool's workers use their own)
   QuantF32GemmArgs a{};
-  a.qtype = qtype_;
+  a.format = format_;
   a.w = tiles_.get();
   a.n = n_;
   a.k = k_;

@@ -1,6 +1,8 @@
-// Native quantized linear layers for GGUF Q4_1 and Q8_0 weights on the CPU
-// (the default SmolLM2 GGUF: Q4_1 projections, a Q8_0 tied embedding /
-// lm_head), run the way llama.cpp runs them (our own code, not theirs): the
+// Native linear layers for GGUF-quantised weights on the CPU. Every common
+// GGUF block type is read (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K):
+// linear_f32 computes with its exact float32 values for all of them; the
+// integer path (linear) runs Q4_1 and Q8_0 (the default SmolLM2 GGUF: Q4_1
+// projections, a Q8_0 tied embedding / lm_head) the way llama.cpp runs them (our own code, not theirs): the
 // weights stay in their blocks, the activations are quantised per row in
 // groups of 32 to int8 (a scale and the group's sum per group, llama.cpp's Q8_1
 // idea), and the block dot products are integer SIMD: AVX512-VNNI / AVX-VNNI
@@ -47,20 +49,34 @@ const QuantIsaVariant& active_quant_isa();
 // InvalidArgumentError if it is not compiled in or this CPU cannot execute it.
 void set_active_quant_isa(const std::string& name);
 
-// "q4_1" -> kQ4_1, "q8_0" -> kQ8_0; anything else throws KernelArgumentError.
+// The GGUF block types a QuantizedWeight reads (ggml's formats, as gguf-py
+// de-quantises them).
+enum class QType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+
+// "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k" (either
+// case) -> the type; anything else throws KernelArgumentError.
 QType parse_qtype(const std::string& name);
-const char* qtype_name(QType q);
-// Bytes of one GGUF block: 20 (Q4_1: fp16 d, fp16 m, 16 nibble bytes), 34 (Q8_0: fp16 d, 32 int8).
+const char* qtype_name(QType q);  // "q4_1", "q6_k", ...
+// Bytes of one GGUF block: 18 (Q4_0), 20 (Q4_1), 22 (Q5_0), 24 (Q5_1), 34
+// (Q8_0), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K).
 int64_t qtype_block_bytes(QType q);
+// Elements of one GGUF block: 32, or 256 for the K-quants (Q4_K, Q5_K, Q6_K).
+int64_t qtype_block_elements(QType q);
+// The tile format a type is repacked into (quant_isa.h): Q4_1 and Q8_0 their
+// own; Q4_0 and Q5_0 s5f; Q4_K, Q5_1 and Q5_K u5f; Q6_K i8f.
+TileFormat tile_format_of(QType q);
 
 // A GGUF-quantized weight matrix W [N out, K in], repacked once into the
 // interleaved 16-row tiles of quant_isa.h (aligned memory it owns; the raw
-// bytes are not kept).
+// bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; the other
+// types become u5f / s5f tiles (0.875 bytes per weight) or, Q6_K, i8f tiles
+// (1.5) of exactly the same values.
 class QuantizedWeight {
  public:
-  // raw: uint8 [N, K/32 * block_bytes], contiguous: each row's GGUF blocks
-  // along K (what gguf.GGUFReader gives for a Q4_1 / Q8_0 tensor of shape
-  // [N, K]). qtype "q4_1" or "q8_0"; K a positive multiple of 32; N >= 1.
+  // raw: uint8 [N, K / block_elements * block_bytes], contiguous: each row's
+  // GGUF blocks along K (what gguf.GGUFReader gives for a tensor of shape
+  // [N, K]). qtype one of parse_qtype's names; K a positive multiple of the
+  // type's block_elements (32, K-quants 256); N >= 1.
   // Throws KernelArgumentError for a wrong dtype, shape, layout or qtype.
   QuantizedWeight(const TensorArg& raw, const std::string& qtype, int64_t out_features, int64_t in_features);
   // The same from a pointer to N * K/32 * block_bytes bytes (no checks on the memory itself).
@@ -70,14 +86,16 @@ class QuantizedWeight {
   QuantizedWeight& operator=(const QuantizedWeight&) = delete;
 
   QType qtype() const { return qtype_; }
+  TileFormat tile_format() const { return format_; }
   int64_t out_features() const { return n_; }  // N
   int64_t in_features() const { return k_; }   // K
   // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
   int64_t nbytes() const { return nbytes_; }
 
   // out [N, K] = the dequantised weights. float32: bit-identical to gguf-py's
-  // numpy dequantisation (Q4_1 d * q + m, Q8_0 d * q, the multiply and the add
-  // rounded separately: this file is built with -ffp-contract=off); bfloat16:
+  // numpy dequantisation (Q4_1 d * q + m, Q8_0 d * q, Q4_K d * sc * q - dmin
+  // * m, ...: the multiply and the add rounded separately, this file is built
+  // with -ffp-contract=off); bfloat16:
   // those values rounded to nearest even. Rows are split over num_threads
   // (1 .. 1024) threads of the shared pool. Throws KernelArgumentError.
   void dequantize(const TensorArg& out, int num_threads = 1) const;
@@ -96,7 +114,8 @@ class QuantizedWeight {
   // The work is split over N (row groups of 16) and, for large M, over M, on
   // num_threads (1 .. 1024) threads of the shared pool (thread_pool.h); small
   // problems run on the calling thread. M may be 0 (nothing happens).
-  // Throws KernelArgumentError (before writing anything).
+  // Q4_1 and Q8_0 only (other types throw: their integer kernels are not
+  // written yet). Throws KernelArgumentError (before writing anything).
   void linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
 
   // out [M, N] = x [M, K] . W^T (+ bias [N]) in float32 with the exactly
@@ -129,7 +148,10 @@ class QuantizedWeight {
   };
   // dst [K] = row `row` de-quantised to float32 (gguf-py's values, bit for bit).
   void dequantize_row(int64_t row, float* dst) const;
+  // Fills the u5f / s5f / i8f tiles from raw rows of a type gguf_types.cc decodes.
+  void repack_decoded(const uint8_t* raw);
   QType qtype_;
+  TileFormat format_;
   int64_t n_, k_, nbytes_;
   std::unique_ptr<uint8_t, Free> tiles_;
 };

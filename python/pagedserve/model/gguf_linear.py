@@ -1,14 +1,16 @@
 """The ``gguf`` GEMM path: float32 linear layers computed from the GGUF's own
-Q4_1 / Q8_0 blocks (``--linear-impl gguf``; ``auto`` takes it where it
-measures faster).
+blocks (``--linear-impl gguf``; ``auto`` takes it where it measures faster),
+of any type in NATIVE_QTYPES.
 
 A model converted from a GGUF file has float32 weights that are exactly the
-blocks' values (Q4_1: w = d q + m, Q8_0: w = d q, gguf-py's de-quantisation).
+blocks' values (Q4_1: w = d q + m, Q8_0: w = d q, Q6_K: w = d sc (q - 32),
+...: gguf-py's de-quantisation).
 The kernel ``QuantizedWeight.linear_f32`` expands each block to those float32
 values in registers and multiplies them with the float32 activations,
 accumulating in float32: the products of a float32 GEMM on the dense weights,
-summed in another order, while reading 4.5 (Q4_1) or 8.5 (Q8_0) bits per
-weight instead of 32. A decode step (a few to a few dozen rows per call) is
+summed in another order, while reading 4.5 (Q4_1), 8.5 (Q8_0) or 12 (the
+other types, kept as int8 with float32 scales per 16) bits per weight
+instead of 32. A decode step (a few to a few dozen rows per call) is
 bound by reading the weights, so this is where it pays; calls of more than
 ``max_rows`` rows (prefill chunks) go to the dense float32 layer the module
 keeps (the model's own weights on the measured dense path). Unlike
@@ -30,6 +32,8 @@ from .quantization import GGUFBlocks
 
 logger = logging.getLogger(__name__)
 
+# GGUF block types whose blocks the kernel reads (QuantizedWeight)
+NATIVE_QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # Row counts the start-up measurement times (decode batch sizes, and one prefill-like size).
 TUNE_ROWS = (1, 8, 32, 128)
 CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
@@ -97,18 +101,22 @@ class GGUFFloatLinear(torch.nn.Module):
 class GGUFEmbedding(torch.nn.Module):
     """An embedding lookup on GGUF blocks: input_ids [T] int64 -> [T, hidden]
     float32, the rows de-quantised to exactly the model's float32 embedding
-    (QuantizedWeight.embedding). With a tied output layer the blocks are the
-    output layer's own (one copy for both).
+    (QuantizedWeight.embedding), times ``embed_scale`` where the model scales
+    its embedding (Gemma: sqrt(hidden), as its own module does). With a tied
+    output layer the blocks are the output layer's own (one copy for both).
 
     Args:
         weight: _core.cpu.QuantizedWeight [vocab, hidden].
+        embed_scale: a float32 scalar tensor, or None.
     Raises (forward): KernelArgumentError for an id outside the vocabulary.
     """
 
-    def __init__(self, weight) -> None:
+    def __init__(self, weight, embed_scale: torch.Tensor | None = None) -> None:
         super().__init__()
         self.weight_blocks = weight
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+        self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().float().clone(),
+                             persistent=False)
 
     @property
     def nbytes(self) -> int:
@@ -121,6 +129,8 @@ class GGUFEmbedding(torch.nn.Module):
             ids = ids.to(torch.int64).contiguous()
         out = torch.empty((ids.shape[0], self.embedding_dim), dtype=torch.float32)
         self.weight_blocks.embedding(ids, out)
+        if self.embed_scale is not None:
+            out = out * self.embed_scale
         return out.reshape(*input_ids.shape, self.embedding_dim)
 
 
@@ -133,8 +143,8 @@ def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks 
         return f"it computes in float32 (dtype {str(dtype).removeprefix('torch.')})"
     if gguf is None:
         return "the model was not loaded from a GGUF file"
-    if not any(t in ("q4_1", "q8_0") for _, t in gguf.tensors.values()):
-        return f"{gguf.path.name} has no Q4_1 or Q8_0 tensors"
+    if not any(t in NATIVE_QTYPES for _, t in gguf.tensors.values()):
+        return f"{gguf.path.name} has no tensors of a block type the kernel reads ({', '.join(NATIVE_QTYPES)})"
     return None
 
 
@@ -157,8 +167,9 @@ def step_kernel_between(num_threads: int, tokens: int = 32, num_kv_heads: int = 
 class GGUFLinearBuilder:
     """A FuseLinear (pagedserve.model.lean_llama) that builds GGUFFloatLinear
     layers: for each (fused) layer, the dense layer from ``dense_fuse`` and, when
-    every part is stored in the GGUF as Q4_1 or Q8_0 (one type) and those
-    blocks de-quantise to the model's float32 weights bit for bit, the blocks.
+    every part is stored in the GGUF in one of NATIVE_QTYPES (one type) and
+    those blocks de-quantise to the model's float32 weights bit for bit, the
+    blocks. swap() puts it on a Hugging Face model's own linear layers.
 
     Args:
         gguf: the checkpoint's GGUF blocks.
@@ -181,7 +192,7 @@ class GGUFLinearBuilder:
 
     def __call__(self, linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
         dense = self.dense_fuse(linears, names)
-        parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, ("q4_1", "q8_0"))
+        parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, NATIVE_QTYPES)
                  for lin, name in zip(linears, names)]
         if any(p is None for p in parts) or len({q for _, q in parts}) != 1:
             self.dense_only += len(linears)
@@ -203,6 +214,16 @@ class GGUFLinearBuilder:
         self.native += len(linears)
         self.layers.append(layer)
         return layer
+
+    def swap(self, model: torch.nn.Module) -> None:
+        """Replaces each plain nn.Linear of a Hugging Face model's decoder layers
+        (``model.layers.{i}. ...``) and its output layer by what __call__ builds
+        for it, in place (the architectures without a lean forward)."""
+        for qual, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                name = f"{qual}.{child_name}" if qual else child_name
+                if type(child) is torch.nn.Linear and self.gguf.gguf_name(name) is not None:
+                    setattr(module, child_name, self([child], [name]))
 
     @torch.inference_mode()
     def tune(self, rows=TUNE_ROWS, rounds: int = 3, max_rounds: int = 6, use_cache: bool = True,
@@ -275,17 +296,19 @@ class GGUFLinearBuilder:
         return len(self.layers)
 
     def embedding(self, embed: torch.nn.Embedding, lm_head: torch.nn.Module) -> GGUFEmbedding | None:
-        """The model's embedding on the GGUF's ``token_embd`` blocks (Q4_1 / Q8_0)
-        where they de-quantise to ``embed``'s weights bit for bit, sharing the
-        output layer's blocks when it is tied to them; else None."""
+        """The model's embedding on the GGUF's ``token_embd`` blocks (a type of
+        NATIVE_QTYPES) where they de-quantise to ``embed``'s weights bit for
+        bit, sharing the output layer's blocks when it is tied to them, with
+        the module's ``embed_scale`` where it has one; else None."""
         entry = self.gguf.tensors.get("token_embd.weight")
-        if entry is None or entry[1] not in ("q4_1", "q8_0"):
+        if entry is None or entry[1] not in NATIVE_QTYPES:
             return None
         vocab, hidden = embed.weight.shape
+        scale = getattr(embed, "embed_scale", None)
         if (self.tied and isinstance(lm_head, GGUFFloatLinear)
                 and self.gguf.gguf_name("lm_head") == "token_embd.weight"):
             # the same tensor's blocks, already checked against the output layer's weight, which is the embedding's
-            return GGUFEmbedding(lm_head.weight_blocks)
+            return GGUFEmbedding(lm_head.weight_blocks, scale)
         raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
         if raw.shape[0] != vocab:
             return None
@@ -295,7 +318,7 @@ class GGUFLinearBuilder:
         if not torch.equal(values, embed.weight.detach().float()):
             logger.info("token_embd: the GGUF's blocks are not the model's embedding; it stays dense")
             return None
-        return GGUFEmbedding(weight)
+        return GGUFEmbedding(weight, scale)
 
     def set_max_rows(self, max_rows: int) -> None:
         """Sets every built layer's max_rows (rows; 0: the blocks are never used)."""

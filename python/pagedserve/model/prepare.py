@@ -102,8 +102,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         fuse = fuse_plain(lambda lin: make_linear(lin, impl))
         if linear_impl in ("auto", "gguf"):
             gguf = GGUFBlocks.read(gguf_path) if gguf_path and torch.device(device).type == "cpu" else None
-            why_gguf = why_no_gguf_path(dtype, device, gguf) or (
-                f"no lean forward for this model ({why_lean})" if why_lean is not None else None)
+            why_gguf = why_no_gguf_path(dtype, device, gguf)
             if why_gguf is not None and linear_impl == "gguf":
                 raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
             if why_gguf is None:
@@ -119,6 +118,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     else:
         if quantization != "none":
             quantize_model(model, quantizer)
+        elif builder is not None:  # the Hugging Face modules' own linear layers on the blocks
+            builder.swap(model)
+            swap_linears(model, impl)  # any layer the file holds no blocks for
         else:
             swap_linears(model, impl)
         why = f"transformers ({why_lean})"
@@ -134,7 +136,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             gguf_ms = builder.tune()
         if builder.max_rows > 0 and builder.native:
             impl = "gguf"
-            if builder.serves_all and lean is not None and builder.dense_only == 0:
+            if builder.serves_all and builder.dense_only == 0:
                 released = _serve_from_blocks(model, lean, builder)
         else:
             _core.cpu.set_thread_pool_spin_us(0)
@@ -166,21 +168,24 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     return PreparedModel(lean, why, impl, path, weight_bytes(model))
 
 
-def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder, builder: GGUFLinearBuilder) -> str:
+def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, builder: GGUFLinearBuilder) -> str:
     """Where the blocks serve every call: drops the dense float32 copies of the
     linear layers, moves the embedding onto the GGUF's blocks when they hold it
     exactly (shared with a tied output layer), and rebuilds the native step on
-    them. Returns what was dropped, for the log."""
+    them (lean forward) or leaves the Hugging Face decoder reading the
+    swapped modules (lean None). Returns what was dropped, for the log."""
     dropped = builder.release_dense()
     what = f"{dropped} dense layers dropped"
-    embedding = builder.embedding(lean.embed_tokens, model.lm_head)
+    embedding = builder.embedding(model.get_input_embeddings(), model.lm_head)
     if embedding is not None:
-        lean.embed_tokens = embedding
-        model.model.embed_tokens = embedding  # the float32 table had no other user left
+        if lean is not None:
+            lean.embed_tokens = embedding
+        model.set_input_embeddings(embedding)  # the float32 table had no other user left
         shared = embedding.weight_blocks is getattr(model.lm_head, "weight_blocks", None)
         what += ", the embedding read from the blocks" + (" of the tied output layer" if shared else "")
     _own_memory(model)
-    lean.build_native()
+    if lean is not None:
+        lean.build_native()
     return what
 
 

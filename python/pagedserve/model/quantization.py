@@ -82,11 +82,13 @@ class GGUFBlocks:
     Attributes:
         path: the file.
         tensors: GGUF name -> (blocks [N, bytes] uint8 as stored, qtype name
-            such as "q4_1", "q8_0", "f32").
+            such as "q4_1", "q8_0", "q6_k", "f32").
+        architecture: the file's ``general.architecture`` ("llama", "gemma3", ...).
     """
 
     path: Path
     tensors: dict = field(default_factory=dict)
+    architecture: str = ""
 
     @classmethod
     def read(cls, path: Path) -> "GGUFBlocks":
@@ -95,11 +97,14 @@ class GGUFBlocks:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path))
-        return cls(Path(path), {t.name: (t.data, t.tensor_type.name.lower()) for t in reader.tensors})
+        arch = reader.fields.get("general.architecture")
+        architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        return cls(Path(path), {t.name: (t.data, t.tensor_type.name.lower()) for t in reader.tensors}, architecture)
 
     def gguf_name(self, name: str) -> str | None:
-        """The GGUF tensor name of a Llama linear layer's qualified transformers
-        name (``model.layers.{i}.self_attn.q_proj``, ``lm_head``), or None."""
+        """The GGUF tensor name of a decoder linear layer's qualified transformers
+        name (``model.layers.{i}.self_attn.q_proj``, ``lm_head``: the Llama,
+        Gemma and Qwen families name them alike), or None."""
         if name == "lm_head":
             return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
         parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
@@ -112,9 +117,10 @@ class GGUFBlocks:
                      wanted: tuple[str, ...]) -> tuple[torch.Tensor, str] | None:
         """(blocks [out_features, bytes] uint8 in Hugging Face's row order, qtype)
         of the linear layer ``name`` as this file stores it, if it stores it in
-        one of the ``wanted`` block types ("q4_1", "q8_0") with out_features
-        rows; else None. The q and k projections' rows are moved from
-        llama.cpp's rotary order (unpermute_rows)."""
+        one of the ``wanted`` block types ("q4_1", "q8_0", ...) with
+        out_features rows; else None. In a ``llama`` file the q and k
+        projections' rows are moved from llama.cpp's rotary order
+        (unpermute_rows; its converter permutes that architecture's only)."""
         gname = self.gguf_name(name)
         entry = self.tensors.get(gname) if gname else None
         if entry is None or entry[1] not in wanted:
@@ -122,6 +128,8 @@ class GGUFBlocks:
         raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
         if raw.shape[0] != out_features:
             return None
+        if self.architecture not in ("", "llama"):
+            return raw, entry[1]
         if gname.endswith("attn_q.weight"):
             raw = unpermute_rows(raw, num_heads)
         elif gname.endswith("attn_k.weight"):

@@ -1,0 +1,170 @@
+// GGUF block types (gguf_types.h, quant_linear.h): names, sizes and the exact
+// decoding of the types kept as i8f tiles. Built with -ffp-contract=off (the
+// products are written out; none may fuse with a later add).
+#include "gguf_types.h"
+
+#include <cstring>
+#include <string>
+
+#include "core/errors.h"
+#include "scalar_convert.h"
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+struct TypeInfo {
+  QType type;
+  const char* name;
+  int64_t block_bytes, block_elements;
+};
+
+constexpr TypeInfo kTypes[] = {
+    {QType::kQ4_0, "q4_0", 18, 32},   {QType::kQ4_1, "q4_1", 20, 32},   {QType::kQ5_0, "q5_0", 22, 32},
+    {QType::kQ5_1, "q5_1", 24, 32},   {QType::kQ8_0, "q8_0", 34, 32},   {QType::kQ4_K, "q4_k", 144, 256},
+    {QType::kQ5_K, "q5_k", 176, 256}, {QType::kQ6_K, "q6_k", 210, 256},
+};
+
+const TypeInfo& info(QType q) {
+  for (const TypeInfo& t : kTypes) {
+    if (t.type == q) return t;
+  }
+  throw KernelArgumentError("unknown GGUF block type");
+}
+
+float fp16_at(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, sizeof v);
+  return half_to_float(v);
+}
+
+// Q4_0 / Q4_1 / Q5_0 / Q5_1 (32 elements): element e < 16 is the low nibble of
+// qs[e], e >= 16 the high nibble of qs[e - 16]; the 5-bit types add bit e of
+// the little-endian uint32 qh as bit 4.
+void decode_small(QType q, const uint8_t* b, int8_t* qs, float* d, float* m) {
+  const bool has_min = q == QType::kQ5_1;
+  const bool five = q != QType::kQ4_0;
+  const int offset = q == QType::kQ4_0 ? 8 : q == QType::kQ5_0 ? 16 : 0;
+  const float scale = fp16_at(b);
+  const float minimum = has_min ? fp16_at(b + 2) : -0.0f;
+  const uint8_t* p = b + (has_min ? 4 : 2);
+  uint32_t qh = 0;
+  if (five) {
+    std::memcpy(&qh, p, 4);
+    p += 4;
+  }
+  for (int e = 0; e < 32; ++e) {
+    int v = e < 16 ? (p[e] & 0x0F) : (p[e - 16] >> 4);
+    if (five) v |= static_cast<int>((qh >> e) & 1u) << 4;
+    qs[e] = static_cast<int8_t>(v - offset);
+  }
+  d[0] = d[1] = scale;
+  m[0] = m[1] = minimum;
+}
+
+// Q4_K / Q5_K's 6-bit scale and minimum of sub-block j (0..7) from the 12 scale bytes.
+void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
+  if (j < 4) {
+    *sc = s[j] & 63;
+    *mn = s[j + 4] & 63;
+  } else {
+    *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// Q4_K (144 bytes: fp16 d, fp16 dmin, 12 scale bytes, 128 nibble bytes) and
+// Q5_K (176: the same with 32 high-bit bytes before the nibbles), 256
+// elements in 8 sub-blocks of 32: sub-block 2c + h is nibble h of bytes
+// 32c .. 32c + 31; Q5_K's bit 4 of element i of sub-block s is bit s of qh[i].
+void decode_k4(QType q, const uint8_t* b, int8_t* qs, float* d, float* m) {
+  const float dd = fp16_at(b), dmin = fp16_at(b + 2);
+  const uint8_t* scales = b + 4;
+  const bool five = q == QType::kQ5_K;
+  const uint8_t* qh = b + 16;
+  const uint8_t* ql = b + 16 + (five ? 32 : 0);
+  for (int s = 0; s < 8; ++s) {
+    int sc, mn;
+    scale_min_k4(scales, s, &sc, &mn);
+    const float ds = dd * static_cast<float>(sc);      // exact: 11 x 6 bits
+    const float dm = dmin * static_cast<float>(mn);    // exact
+    d[2 * s] = d[2 * s + 1] = ds;
+    m[2 * s] = m[2 * s + 1] = -dm;
+    for (int i = 0; i < 32; ++i) {
+      int v = (ql[32 * (s / 2) + i] >> (4 * (s % 2))) & 0x0F;
+      if (five) v |= ((qh[i] >> s) & 1) << 4;
+      qs[32 * s + i] = static_cast<int8_t>(v);
+    }
+  }
+}
+
+// Q6_K (210 bytes: 128 low-nibble bytes ql, 64 high-2-bit bytes qh, 16 int8
+// scales, fp16 d), 256 elements as two halves of 128: element j of half h
+// has low bits (ql[64 h + j % 64] >> 4 (j / 64)) & 15 and high bits
+// (qh[32 h + j % 32] >> 2 (j / 32)) & 3; q - 32 with scale d * scales[f / 16].
+void decode_q6_k(const uint8_t* b, int8_t* qs, float* d, float* m) {
+  const uint8_t* ql = b;
+  const uint8_t* qh = b + 128;
+  const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+  const float dd = fp16_at(b + 208);
+  for (int f = 0; f < 256; ++f) {
+    const int h = f / 128, j = f % 128;
+    const int lo = (ql[64 * h + j % 64] >> (4 * (j / 64))) & 0x0F;
+    const int hi = (qh[32 * h + j % 32] >> (2 * (j / 32))) & 0x03;
+    qs[f] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+  }
+  for (int s = 0; s < 16; ++s) {
+    d[s] = dd * static_cast<float>(scales[s]);  // exact: 11 x 8 bits
+    m[s] = -0.0f;
+  }
+}
+
+}  // namespace
+
+QType parse_qtype(const std::string& name) {
+  std::string lower = name;
+  for (char& c : lower) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  for (const TypeInfo& t : kTypes) {
+    if (lower == t.name) return t.type;
+  }
+  throw KernelArgumentError("qtype must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, got '" + name +
+                            "'");
+}
+
+const char* qtype_name(QType q) { return info(q).name; }
+
+int64_t qtype_block_bytes(QType q) { return info(q).block_bytes; }
+
+int64_t qtype_block_elements(QType q) { return info(q).block_elements; }
+
+TileFormat tile_format_of(QType q) {
+  switch (q) {
+    case QType::kQ4_1: return TileFormat::kQ4_1;
+    case QType::kQ8_0: return TileFormat::kQ8_0;
+    case QType::kQ4_0:
+    case QType::kQ5_0: return TileFormat::kS5F;  // q - 8, q - 16: signed 5-bit, no minimum
+    case QType::kQ5_1:
+    case QType::kQ4_K:
+    case QType::kQ5_K: return TileFormat::kU5F;  // 0..31 with a minimum
+    case QType::kQ6_K: return TileFormat::kI8F;  // q - 32 (6 bits), a scale per 16 elements
+  }
+  return TileFormat::kI8F;
+}
+
+void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m) {
+  const int64_t be = qtype_block_elements(q), bb = qtype_block_bytes(q);
+  for (int64_t b = 0; b < k / be; ++b, row += bb, qs += be, d += be / 16, m += be / 16) {
+    switch (q) {
+      case QType::kQ4_0:
+      case QType::kQ5_0:
+      case QType::kQ5_1: decode_small(q, row, qs, d, m); break;
+      case QType::kQ4_K:
+      case QType::kQ5_K: decode_k4(q, row, qs, d, m); break;
+      case QType::kQ6_K: decode_q6_k(row, qs, d, m); break;
+      default: throw KernelArgumentError(std::string(qtype_name(q)) + " keeps its own tiles (no i8f decoding)");
+    }
+  }
+}
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,28 @@
+// GGUF block-type knowledge for the CPU kernels: each type's block size and
+// bytes, the tile format it is repacked into (quant_isa.h) and the exact
+// decoding of a row of blocks into int8 quants with, per 16 elements, a
+// float32 scale d and minimum m, w = d * q + m equal bit for bit to gguf-py's
+// de-quantised value (ggml's block formats; our own code). QuantizedWeight
+// packs that into u5f, s5f or i8f tiles.
+#pragma once
+
+#include <cstdint>
+
+#include "quant_linear.h"
+
+namespace pagedserve {
+namespace cpu {
+
+// Decodes one row of K elements stored as `q` blocks (K a multiple of the
+// type's block_elements; q not Q4_1 / Q8_0, which keep their own tiles) into
+// qs [K] int8 and, per 16 elements h (K / 16 of them), d [h] and m [h]:
+//   Q4_0  q - 8,  d,           m = -0.0     Q5_0  q - 16, d,       m = -0.0
+//   Q5_1  q,      d,           m            Q6_K  q - 32, d * sc,  m = -0.0
+//   Q4_K / Q5_K   q, d * sc,   m = -(dmin * mn)   (sc, mn: the 6-bit pair)
+// Every product above is exact in float32 (at most 11 + 8 significant bits),
+// and d * q (at most 23 bits) too, so one rounding of d * q + m equals numpy's
+// round(d * q + m) or round(d * q - dm); -0.0 keeps d * q's sign of zero.
+void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m);
+
+}  // namespace cpu
+}  // namespace pagedserve

@@ -1,0 +1,265 @@
+// The GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K:
+// csrc/backends/cpu/gguf_types.h): hand-built blocks de-quantise to the values
+// ggml's formats define (checked here element by element); on random blocks
+// every kernel variant this CPU runs gives, through linear_f32, exactly the
+// de-quantised weights for one-hot rows, a row's result is the same bits in
+// any batch and on any thread count, and general rows match a double
+// reference. (The Python tests check dequantize against gguf-py itself.)
+// Built with -ffp-contract=off: the references round d * q and + m separately.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backends/cpu/quant_linear.h"
+#include "contiguous_arg.h"
+#include "core/errors.h"
+
+using namespace pagedserve;
+using namespace pagedserve::cpu;
+using pagedserve::test_support::arg;
+
+namespace {
+
+const QType kTypes[] = {QType::kQ4_0, QType::kQ5_0, QType::kQ5_1, QType::kQ4_K, QType::kQ5_K, QType::kQ6_K};
+
+void put_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
+
+// Random blocks of type q for an [n, k] weight: random quant bytes, scales as
+// fp16 of moderate size (negative ones too, for the types whose d is signed).
+std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& rng) {
+  const int64_t be = qtype_block_elements(q), bb = qtype_block_bytes(q), nb = n * (k / be);
+  std::vector<uint8_t> raw(static_cast<size_t>(nb * bb));
+  std::uniform_int_distribution<int> byte(0, 255), mant(0, 1023), expo(9, 15);
+  for (auto& b : raw) b = static_cast<uint8_t>(byte(rng));
+  const auto half = [&](bool sign) {  // fp16 in about [2^-6, 2^1)
+    return static_cast<uint16_t>((sign ? 0x8000 : 0) | (expo(rng) << 10) | mant(rng));
+  };
+  for (int64_t i = 0; i < nb; ++i) {
+    uint8_t* b = raw.data() + i * bb;
+    switch (q) {
+      case QType::kQ4_0:
+      case QType::kQ5_0: put_half(b, half(byte(rng) & 1)); break;
+      case QType::kQ5_1: put_half(b, half(false)); put_half(b + 2, half(true)); break;
+      case QType::kQ4_K:
+      case QType::kQ5_K: put_half(b, half(false)); put_half(b + 2, half(false)); break;
+      case QType::kQ6_K: put_half(b + 208, half(false)); break;
+      default: break;
+    }
+  }
+  return raw;
+}
+
+struct ActiveVariant {  // restores the active quantized variant
+  std::string saved = active_quant_isa().name;
+  ~ActiveVariant() { set_active_quant_isa(saved); }
+};
+
+std::vector<float> dequantized(const QuantizedWeight& w) {
+  std::vector<float> out(static_cast<size_t>(w.out_features() * w.in_features()), NAN);
+  w.dequantize(arg(out, {w.out_features(), w.in_features()}, DType::kFloat32, "out"));
+  return out;
+}
+
+// ---- hand-built blocks: the formats' definitions, element by element ----
+
+TEST(GGUFTypes, NamesSizesAndFormats) {
+  EXPECT_EQ(parse_qtype("Q6_K"), QType::kQ6_K);
+  EXPECT_STREQ(qtype_name(QType::kQ5_1), "q5_1");
+  EXPECT_EQ(qtype_block_bytes(QType::kQ4_0), 18);
+  EXPECT_EQ(qtype_block_bytes(QType::kQ5_K), 176);
+  EXPECT_EQ(qtype_block_elements(QType::kQ4_K), 256);
+  EXPECT_EQ(qtype_block_elements(QType::kQ5_0), 32);
+  EXPECT_EQ(tile_format_of(QType::kQ8_0), TileFormat::kQ8_0);
+  EXPECT_EQ(tile_format_of(QType::kQ6_K), TileFormat::kI8F);
+  EXPECT_EQ(tile_format_of(QType::kQ5_0), TileFormat::kS5F);
+  EXPECT_EQ(tile_format_of(QType::kQ4_0), TileFormat::kS5F);
+  EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU5F);
+  EXPECT_EQ(tile_format_of(QType::kQ5_1), TileFormat::kU5F);
+  EXPECT_THROW(parse_qtype("q3_k"), KernelArgumentError);
+}
+
+TEST(GGUFTypes, Q4_0AndQ5_0AndQ5_1BlocksDecodeAsDefined) {
+  // d = 0.5 (fp16 0x3800), m = -1.0 (0xBC00); qs[j] = j | (15 - j) << 4; qh bits set for even elements
+  std::vector<uint8_t> q40(18), q50(22), q51(24);
+  put_half(q40.data(), 0x3800);
+  put_half(q50.data(), 0x3800);
+  put_half(q51.data(), 0x3800);
+  put_half(q51.data() + 2, 0xBC00);
+  const uint32_t qh = 0x55555555u;
+  std::memcpy(q50.data() + 2, &qh, 4);
+  std::memcpy(q51.data() + 4, &qh, 4);
+  for (int j = 0; j < 16; ++j) {
+    const uint8_t v = static_cast<uint8_t>(j | (15 - j) << 4);
+    q40[2 + j] = v;
+    q50[6 + j] = v;
+    q51[8 + j] = v;
+  }
+  const QuantizedWeight w40(q40.data(), QType::kQ4_0, 1, 32), w50(q50.data(), QType::kQ5_0, 1, 32),
+      w51(q51.data(), QType::kQ5_1, 1, 32);
+  const std::vector<float> d40 = dequantized(w40), d50 = dequantized(w50), d51 = dequantized(w51);
+  for (int e = 0; e < 32; ++e) {
+    const int nib = e < 16 ? e : 15 - (e - 16), hi = (e % 2 == 0) ? 16 : 0;
+    EXPECT_EQ(d40[e], 0.5f * static_cast<float>(nib - 8)) << e;
+    EXPECT_EQ(d50[e], 0.5f * static_cast<float>((nib | hi) - 16)) << e;
+    EXPECT_EQ(d51[e], 0.5f * static_cast<float>(nib | hi) - 1.0f) << e;
+  }
+}
+
+// The 12 scale bytes of Q4_K / Q5_K holding sc[j], mn[j] (6 bits each, j < 8).
+void pack_scales_k4(uint8_t* s, const int* sc, const int* mn) {
+  for (int j = 0; j < 4; ++j) {
+    s[j] = static_cast<uint8_t>((sc[j] & 63) | ((sc[j + 4] >> 4) << 6));
+    s[j + 4] = static_cast<uint8_t>((mn[j] & 63) | ((mn[j + 4] >> 4) << 6));
+    s[j + 8] = static_cast<uint8_t>((sc[j + 4] & 15) | ((mn[j + 4] & 15) << 4));
+  }
+}
+
+TEST(GGUFTypes, Q4_KAndQ5_KBlocksDecodeAsDefined) {
+  const int sc[8] = {1, 63, 17, 32, 5, 48, 63, 33}, mn[8] = {0, 7, 63, 1, 62, 16, 9, 40};
+  std::vector<uint8_t> q4(144), q5(176);
+  for (auto* b : {&q4, &q5}) {
+    put_half(b->data(), 0x3400);      // d = 0.25
+    put_half(b->data() + 2, 0x2C00);  // dmin = 0.0625
+    pack_scales_k4(b->data() + 4, sc, mn);
+  }
+  for (int i = 0; i < 128; ++i) {  // byte i of the nibbles: sub-block 2 (i / 32) low, 2 (i / 32) + 1 high
+    q4[16 + i] = q5[48 + i] = static_cast<uint8_t>((i % 16) | ((15 - i % 16) << 4));
+  }
+  for (int i = 0; i < 32; ++i) q5[16 + i] = static_cast<uint8_t>(i * 37);  // bit s of qh[i]: sub-block s's bit 4
+  const QuantizedWeight w4(q4.data(), QType::kQ4_K, 1, 256), w5(q5.data(), QType::kQ5_K, 1, 256);
+  const std::vector<float> d4 = dequantized(w4), d5 = dequantized(w5);
+  for (int f = 0; f < 256; ++f) {
+    const int s = f / 32, i = f % 32, byte = 32 * (s / 2) + i;
+    const int nib = s % 2 == 0 ? byte % 16 : 15 - byte % 16;
+    const int hi = ((static_cast<uint8_t>(i * 37) >> s) & 1) << 4;
+    const float ds = 0.25f * static_cast<float>(sc[s]), dm = 0.0625f * static_cast<float>(mn[s]);
+    EXPECT_EQ(d4[f], ds * static_cast<float>(nib) - dm) << f;
+    EXPECT_EQ(d5[f], ds * static_cast<float>(nib | hi) - dm) << f;
+  }
+}
+
+TEST(GGUFTypes, Q6_KBlocksDecodeAsDefined) {
+  std::vector<uint8_t> b(210);
+  for (int i = 0; i < 128; ++i) b[i] = static_cast<uint8_t>(i * 29 + 3);        // ql
+  for (int i = 0; i < 64; ++i) b[128 + i] = static_cast<uint8_t>(i * 53 + 11);  // qh
+  const int8_t scales[16] = {1, -1, 127, -128, 3, 64, -7, 0, 12, -33, 100, 5, -90, 8, 77, -2};
+  std::memcpy(b.data() + 192, scales, 16);
+  put_half(b.data() + 208, 0x3000);  // d = 0.125
+  const QuantizedWeight w(b.data(), QType::kQ6_K, 1, 256);
+  const std::vector<float> d = dequantized(w);
+  for (int f = 0; f < 256; ++f) {
+    const int h = f / 128, j = f % 128;
+    const int lo = (b[64 * h + j % 64] >> (4 * (j / 64))) & 15, hi = (b[128 + 32 * h + j % 32] >> (2 * (j / 32))) & 3;
+    const float scale = 0.125f * static_cast<float>(scales[f / 16]);
+    EXPECT_EQ(d[f], scale * static_cast<float>((lo | hi << 4) - 32)) << f;
+  }
+}
+
+TEST(GGUFTypes, BadShapesAndTheIntegerPathRaise) {
+  std::mt19937 rng(3);
+  std::vector<uint8_t> raw = random_blocks(QType::kQ4_K, 2, 256, rng);
+  EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 128), KernelArgumentError);
+  EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q5_k", 2, 256), KernelArgumentError);
+  QuantizedWeight w(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 256);
+  EXPECT_EQ(w.nbytes(), 8 * k5FTileBytes);  // one row group of 16 rows, 256 / 32 = 8 u5f tiles
+  std::vector<float> x(256, 1.f), out(2);
+  EXPECT_THROW(w.linear(arg(x, {1, 256}, DType::kFloat32, "x"), arg(out, {1, 2}, DType::kFloat32, "out"), nullptr, 1),
+               KernelArgumentError);
+}
+
+// ---- every variant: linear_f32 on the i8f tiles ----
+
+class GGUFTypesVariant : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    for (const QuantIsaVariant& v : compiled_quant_isas()) {
+      if (GetParam() == v.name) {
+        if (!v.supported()) GTEST_SKIP() << "this CPU cannot run " << GetParam() << ": it needs " << v.requires_;
+        return;
+      }
+    }
+    GTEST_SKIP() << "variant " << GetParam() << " is not compiled into this build";
+  }
+};
+
+// One-hot rows select each weight: the expansion is exact, in a full batch
+// (several row tiles: the scratch path) and one row at a time (in registers).
+TEST_P(GGUFTypesVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
+  ActiveVariant guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(17);
+  for (QType q : kTypes) {
+    const int64_t n = 40, k = 256;
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    const QuantizedWeight w(raw.data(), q, n, k);
+    const std::vector<float> wd = dequantized(w);
+    for (int64_t k0 : {int64_t{0}, int64_t{96}, int64_t{240}}) {  // 16 one-hot rows from column k0
+      const int64_t m = 16;
+      std::vector<float> x(m * k, 0.f), out(m * n, NAN), one(n, NAN);
+      for (int64_t i = 0; i < m; ++i) x[i * k + k0 + i] = 1.f;
+      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(out, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+      for (int64_t i = 0; i < m; ++i) {
+        std::vector<float> xi(x.begin() + i * k, x.begin() + (i + 1) * k);
+        w.linear_f32(arg(xi, {1, k}, DType::kFloat32, "x"), arg(one, {1, n}, DType::kFloat32, "out"), nullptr, 1);
+        for (int64_t j = 0; j < n; ++j) {
+          const float want = wd[j * k + k0 + i];
+          ASSERT_EQ(out[i * n + j], want) << qtype_name(q) << " [" << k0 + i << ", " << j << "]";
+          ASSERT_EQ(one[j], want) << qtype_name(q) << " row alone [" << k0 + i << ", " << j << "]";
+        }
+      }
+    }
+  }
+}
+
+// General rows against a double reference of the de-quantised weights, and a
+// row's bits the same alone, in any slice of the batch and on 1 or 2 threads.
+TEST_P(GGUFTypesVariant, LinearF32MatchesADoubleReferenceAndIsBatchInvariant) {
+  ActiveVariant guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(23);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  for (QType q : kTypes) {
+    const int64_t n = 83, k = 512, m = 19;  // a partial last row group, two super-blocks per row
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    const QuantizedWeight w(raw.data(), q, n, k);
+    const std::vector<float> wd = dequantized(w);
+    std::vector<float> x(m * k), bias(n);
+    for (auto& v : x) v = nd(rng);
+    for (auto& v : bias) v = nd(rng);
+    auto b = arg(bias, {n}, DType::kFloat32, "bias");
+    const auto run = [&](int64_t r0, int64_t rows, int threads) {
+      std::vector<float> xs(x.begin() + r0 * k, x.begin() + (r0 + rows) * k), o(rows * n);
+      w.linear_f32(arg(xs, {rows, k}, DType::kFloat32, "x"), arg(o, {rows, n}, DType::kFloat32, "out"), &b, threads);
+      return o;
+    };
+    const std::vector<float> all = run(0, m, 1);
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = bias[j], scale = std::fabs(bias[j]);
+        for (int64_t e = 0; e < k; ++e) {
+          const double t = static_cast<double>(x[i * k + e]) * wd[j * k + e];
+          sum += t;
+          scale += std::fabs(t);
+        }
+        ASSERT_NEAR(all[i * n + j], sum, 1e-5 * scale + 1e-6) << qtype_name(q) << " [" << i << ", " << j << "]";
+      }
+    }
+    const int64_t subs[][2] = {{0, m}, {0, 1}, {18, 1}, {3, 2}, {4, 13}};
+    for (const auto& sb : subs) {
+      for (int threads : {1, 2}) {
+        const std::vector<float> part = run(sb[0], sb[1], threads);
+        ASSERT_EQ(std::memcmp(part.data(), all.data() + sb[0] * n, part.size() * 4), 0)
+            << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Variants, GGUFTypesVariant, ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
+                         [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+}  // namespace

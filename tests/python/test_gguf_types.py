@@ -1,0 +1,101 @@
+"""Every common GGUF block type on the native kernels
+(pagedserve._core.cpu.QuantizedWeight: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+Q5_K, Q6_K): on random blocks of each type, for weights whose rows hold one
+and several blocks and a partial last row group, the C++ de-quantisation is
+gguf-py's bit for bit (the sign of zero included), the embedding lookup reads
+those rows, and linear_f32 in every kernel variant this CPU runs gives those
+values exactly for one-hot rows and agrees with a float64 F.linear on them
+within float32 summation noise."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve import _core
+from pagedserve.errors import KernelArgumentError
+
+cpu = _core.cpu
+gguf = pytest.importorskip("gguf", reason="gguf-py is not installed")
+from gguf.quants import dequantize  # noqa: E402
+
+TYPES = ["q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"]
+# byte offsets of each block's fp16 scales (set to finite values; every other byte is random)
+SCALES = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q5_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2),
+          "q5_k": (0, 2), "q6_k": (208,)}
+
+
+def gguf_type(name):
+    return gguf.GGMLQuantizationType[name.upper()]
+
+
+def random_blocks(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """uint8 [n, k / block * bytes]: random quants, scales fp16 of either sign
+    in about [2^-10, 2), one block's scale a subnormal and one a negative zero."""
+    block, size = gguf.GGML_QUANT_SIZES[gguf_type(name)]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(n * (k // block), size), dtype=np.uint8)
+    for off in SCALES[name]:
+        scale = (rng.uniform(2.0**-10, 2.0, size=raw.shape[0]) * rng.choice([-1, 1], size=raw.shape[0]))
+        raw[:, off:off + 2] = scale.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    raw[0, SCALES[name][0]:SCALES[name][0] + 2] = np.array([3], dtype=np.uint16).view(np.uint8)  # subnormal
+    raw[-1, SCALES[name][0]:SCALES[name][0] + 2] = np.array([0x8000], dtype=np.uint16).view(np.uint8)  # -0.0
+    return raw.reshape(n, -1)
+
+
+def reference(name: str, raw: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(dequantize(raw, gguf_type(name)), dtype=np.float32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("n,k", [(1, 256), (37, 512), (48, 768)])
+def test_dequantize_is_gguf_pys_bit_for_bit(name, n, k):
+    raw = random_blocks(name, n, k, seed=n * 1000 + k)
+    w = cpu.QuantizedWeight(torch.from_numpy(raw), name, n, k)
+    assert (w.qtype, w.out_features, w.in_features) == (name, n, k)
+    assert w.integer_kernels == (name in ("q4_1", "q8_0"))
+    out = torch.full((n, k), float("nan"))
+    w.dequantize(out, 2)
+    want = reference(name, raw)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, so -0.0 too
+    ids = torch.tensor([n - 1, 0, n // 2], dtype=torch.int64)
+    rows = torch.empty(3, k)
+    w.embedding(ids, rows)
+    assert torch.equal(rows.view(torch.int32), want[ids].view(torch.int32))
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_linear_f32_expands_every_type_exactly(quant_variant, name):
+    n, k = 40, 512
+    raw = random_blocks(name, n, k, seed=7)
+    w = cpu.QuantizedWeight(torch.from_numpy(raw), name, n, k)
+    dense = reference(name, raw)
+    eye = torch.eye(k)
+    out = torch.empty(k, n)
+    w.linear_f32(eye, out, None, 2)
+    assert torch.equal(out, dense.T), f"{quant_variant}: the one-hot rows are not the weights"
+    g = torch.Generator().manual_seed(1)
+    for m in (1, 4, 13, 40):
+        x, bias = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+        got = torch.empty(m, n)
+        w.linear_f32(x, got, bias, 2)
+        want = F.linear(x.double(), dense.double(), bias.double())
+        scale = F.linear(x.double().abs(), dense.double().abs(), bias.double().abs())  # float32 summation noise
+        close = (got.double() - want).abs() <= 1e-5 * scale + 1e-6
+        assert close.all(), f"{quant_variant}: not the float32 layer"
+        one = torch.empty(1, n)
+        w.linear_f32(x[-1:].contiguous(), one, bias, 1)
+        assert torch.equal(one[0], got[-1]), f"{quant_variant}: a row's result depends on its batch"
+
+
+def test_bad_types_and_shapes_raise_kernel_argument_error():
+    raw = torch.from_numpy(random_blocks("q4_k", 2, 256, seed=1))
+    with pytest.raises(KernelArgumentError, match="q3_k"):
+        cpu.QuantizedWeight(raw, "q3_k", 2, 256)
+    with pytest.raises(KernelArgumentError, match="multiple of 256"):
+        cpu.QuantizedWeight(raw, "q4_k", 2, 160)
+    w = cpu.QuantizedWeight(raw, "q4_k", 2, 256)
+    with pytest.raises(KernelArgumentError, match="linear_f32"):
+        w.linear(torch.randn(1, 256), torch.empty(1, 2), None, 1)
