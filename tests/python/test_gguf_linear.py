@@ -242,8 +242,9 @@ def test_a_model_on_its_blocks_holds_no_dequantised_copy(model, tiny_llama_dir, 
     (every call on them: --linear-impl gguf, as auto does where the blocks measure faster at every row count)
     keeps no float32 copy of the weights: its resident memory with a one-block KV store is within 1.5x of the
     GGUF file's size above the runtime's own baseline, an engine on a tiny random Llama (0.5 MiB of weights) in
-    the same kind of process. Gemma's 4- to 6-bit types are held as int8 with float32 scales (1.5 bytes per
-    weight); its 262,144 x 640 tied embedding stays Q8_0 and serves the output layer too."""
+    the same kind of process. Gemma's Q5_0 and Q4_K layers are held as 5-bit quants with float32 scales (0.875
+    bytes per weight), its Q6_K ones as int8 (1.5); its 262,144 x 640 tied embedding stays Q8_0 and serves the
+    output layer too."""
     import importlib.util
     import json
     import os

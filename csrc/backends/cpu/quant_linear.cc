@@ -394,10 +394,6 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
   if (x.dtype != DType::kFloat32 && x.dtype != DType::kBFloat16) {
     throw KernelArgumentError(x.name + " must be float32 or bfloat16, got " + dtype_name(x.dtype));
   }
-  if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {
-    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_1 and q8_0 weights; this one is ") +
-                              qtype_name(qtype_) + ": use linear_f32");
-  }
   const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
   linear_raw(x.data, x.dtype, m, out.data, bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
@@ -406,6 +402,10 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
 
 void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias,
                                  int num_threads, const QuantKernelTable& kernels) const {
+  if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {  // the integer kernels read no other tile
+    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_1 and q8_0 weights; this one is ") +
+                              qtype_name(qtype_) + ": use linear_f32");
+  }
   if (m <= 0) return;
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows;
   // the calling thread's buffers, named through a local reference: the pool's

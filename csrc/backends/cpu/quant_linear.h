@@ -79,7 +79,7 @@ class QuantizedWeight {
   // type's block_elements (32, K-quants 256); N >= 1.
   // Throws KernelArgumentError for a wrong dtype, shape, layout or qtype.
   QuantizedWeight(const TensorArg& raw, const std::string& qtype, int64_t out_features, int64_t in_features);
-  // The same from a pointer to N * K/32 * block_bytes bytes (no checks on the memory itself).
+  // The same from a pointer to N * K / block_elements * block_bytes bytes (no checks on the memory itself).
   QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_features, int64_t in_features);
   ~QuantizedWeight();
   QuantizedWeight(const QuantizedWeight&) = delete;
@@ -139,6 +139,7 @@ class QuantizedWeight {
 
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
+  // Throws KernelArgumentError for a weight of a type other than Q4_1 / Q8_0.
   void linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias, int num_threads,
                   const QuantKernelTable& kernels) const;
 

@@ -217,6 +217,8 @@ def native_decoder(lean: LeanLlamaDecoder):
     if dense:
         return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
     if hasattr(lean.embed_tokens, "weight_blocks"):  # GGUFEmbedding: rows de-quantised per token
+        if getattr(lean.embed_tokens, "embed_scale", None) is not None:
+            return None, "the embedding is scaled (the C++ decoder reads the rows as they are)"
         embed = lean.embed_tokens.weight_blocks
     else:
         embed = lean.embed_tokens.weight.detach()

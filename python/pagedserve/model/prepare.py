@@ -130,7 +130,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     ours = quantization != "none" or builder is not None
     _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
     if builder is not None:
-        if linear_impl == "gguf":  # asked for by name: the blocks serve every call (FORCED_MAX_ROWS)
+        if linear_impl == "gguf" or not builder.layers:  # by name: the blocks serve every call; or none to time
             gguf_ms = None
         else:
             gguf_ms = builder.tune()
