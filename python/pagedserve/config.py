@@ -104,9 +104,10 @@ class EngineArgs:
         "Hugging Face modules; pagedserve = the lean forward (error if none); transformers = the Hugging Face "
         "modules", choices=["auto", "pagedserve", "transformers"]))
     native_step: bool = field(default=True, metadata=_arg(
-        "run a step of the lean forward as one C++ call (embedding, every layer's kernels, final norm) where every "
-        "linear layer is on GGUF blocks (the gguf path) and the step fits its row bound; --no-native-step runs the "
-        "same kernels one Python call at a time (the same results, bit for bit)"))
+        "run a step as one C++ call (embedding, every layer's kernels, final norm) where every linear layer is on "
+        "GGUF blocks (the gguf path) and the step fits its row bound: Llama's lean forward, and Gemma 3 / Qwen 2 / "
+        "Qwen 3 over their Hugging Face modules; --no-native-step runs the same kernels one Python call at a time "
+        "(Llama: the same results, bit for bit; the others: the modules' own norms and activations)"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "

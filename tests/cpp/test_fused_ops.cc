@@ -232,6 +232,40 @@ std::vector<float> rope_cache(int64_t max_pos, int64_t D) {
   return cache;
 }
 
+// GeGLU (Gemma's MLP): 0.5 g (1 + tanh(u)) in torch's form; its 1 + tanh(u) is
+// within a few float32 ulp of the exact one, so the error bound is |g| |up|
+// times a few ulp of 1 (relative to the result where 1 + tanh(u) is large).
+TEST(FusedOps, GeluTanhAndMulMatchesReference) {
+  for_each_isa([] {
+    for (DType d : kDtypes) {
+      for (const auto& s : kShapes) {
+        const int64_t T = s[0], I = s[1];
+        Buf x = random_buf(d, T * 2 * I, 4.f, 7), out(d, T * I);
+        std::vector<float> want(T * I), bound(T * I);
+        for (int64_t t = 0; t < T; ++t) {
+          for (int64_t i = 0; i < I; ++i) {
+            const double g = x.get(t * 2 * I + i), up = x.get(t * 2 * I + I + i);
+            const double u = 0.7978845608028654 * (g + 0.044715 * g * g * g);
+            const float act = x.round(static_cast<float>(0.5 * g * (1.0 + std::tanh(u))));
+            want[t * I + i] = x.round(act * static_cast<float>(up));
+            const double ulp = d == DType::kFloat32 ? 6e-8 : 0.0078125;
+            bound[t * I + i] = static_cast<float>((std::fabs(g) * 4e-7 + ulp * std::fabs(act)) * std::fabs(up) +
+                                                  ulp * std::fabs(want[t * I + i]));
+          }
+        }
+        gelu_tanh_and_mul(out.arg("out", {T, I}), x.arg("x", {T, 2 * I}));
+        int64_t bad = 0;
+        for (int64_t i = 0; i < T * I; ++i) {
+          if (!(std::fabs(out.get(i) - want[i]) <= bound[i])) {
+            if (++bad <= 5) ADD_FAILURE() << "gelu_tanh_and_mul [" << i << "]: got " << out.get(i) << ", want " << want[i];
+          }
+        }
+        EXPECT_EQ(bad, 0);
+      }
+    }
+  });
+}
+
 TEST(FusedOps, RotaryEmbeddingOnQkvViewsMatchesReference) {
   for_each_isa([] {
     for (DType d : kDtypes) {

@@ -75,9 +75,10 @@ TEST(GGUFTypes, NamesSizesAndFormats) {
   EXPECT_EQ(qtype_block_elements(QType::kQ5_0), 32);
   EXPECT_EQ(tile_format_of(QType::kQ8_0), TileFormat::kQ8_0);
   EXPECT_EQ(tile_format_of(QType::kQ6_K), TileFormat::kI8F);
-  EXPECT_EQ(tile_format_of(QType::kQ5_0), TileFormat::kS5F);
-  EXPECT_EQ(tile_format_of(QType::kQ4_0), TileFormat::kS5F);
-  EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU5F);
+  EXPECT_EQ(tile_format_of(QType::kQ5_0), TileFormat::kQ8_0);
+  EXPECT_EQ(tile_format_of(QType::kQ4_0), TileFormat::kQ4_1);
+  EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU4F);
+  EXPECT_EQ(tile_format_of(QType::kQ5_K), TileFormat::kU5F);
   EXPECT_EQ(tile_format_of(QType::kQ5_1), TileFormat::kU5F);
   EXPECT_THROW(parse_qtype("q3_k"), KernelArgumentError);
 }
@@ -107,6 +108,36 @@ TEST(GGUFTypes, Q4_0AndQ5_0AndQ5_1BlocksDecodeAsDefined) {
     EXPECT_EQ(d50[e], 0.5f * static_cast<float>((nib | hi) - 16)) << e;
     EXPECT_EQ(d51[e], 0.5f * static_cast<float>(nib | hi) - 1.0f) << e;
   }
+}
+
+// Q4_0 runs on Q4_1 tiles (m = -8 d) unless some -8 d is no float16; then, as Q5_0 always, on Q8_0 tiles:
+// the same values either way, and the integer kernels read them.
+TEST(GGUFTypes, Q4_0AndQ5_0RunOnTheQ4_1AndQ8_0Tiles) {
+  std::vector<uint8_t> small(2 * 18), large(2 * 18);
+  put_half(small.data(), 0x3800);         // d = 0.5: m = -4 is a float16
+  put_half(small.data() + 18, 0x8001);    // d = -2^-24 (subnormal): m = 2^-21, a float16 too
+  put_half(large.data(), 0x3800);
+  put_half(large.data() + 18, 0x7BFF);    // d = 65504: -8 d overflows float16
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 16; ++j) small[18 * i + 2 + j] = large[18 * i + 2 + j] = static_cast<uint8_t>(j | (15 - j) << 4);
+  }
+  const QuantizedWeight ws(small.data(), QType::kQ4_0, 2, 32), wl(large.data(), QType::kQ4_0, 2, 32);
+  EXPECT_EQ(ws.tile_format(), TileFormat::kQ4_1);
+  EXPECT_EQ(wl.tile_format(), TileFormat::kQ8_0);
+  const float ds[2] = {0.5f, -0x1p-24f}, dl[2] = {0.5f, 65504.f};
+  const std::vector<float> vs = dequantized(ws), vl = dequantized(wl);
+  for (int r = 0; r < 2; ++r) {
+    for (int e = 0; e < 32; ++e) {
+      const int q = (e < 16 ? e : 15 - (e - 16)) - 8;
+      EXPECT_EQ(vs[32 * r + e], ds[r] * static_cast<float>(q)) << r << " " << e;
+      EXPECT_EQ(vl[32 * r + e], dl[r] * static_cast<float>(q)) << r << " " << e;
+    }
+  }
+  std::vector<uint8_t> q50(22, 0);
+  put_half(q50.data(), 0x3C00);
+  const QuantizedWeight w50(q50.data(), QType::kQ5_0, 1, 32);
+  EXPECT_EQ(w50.tile_format(), TileFormat::kQ8_0);
+  for (float v : dequantized(w50)) EXPECT_EQ(v, -16.f);
 }
 
 // The 12 scale bytes of Q4_K / Q5_K holding sc[j], mn[j] (6 bits each, j < 8).
@@ -165,7 +196,7 @@ TEST(GGUFTypes, BadShapesAndTheIntegerPathRaise) {
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 128), KernelArgumentError);
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q5_k", 2, 256), KernelArgumentError);
   QuantizedWeight w(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 256);
-  EXPECT_EQ(w.nbytes(), 8 * k5FTileBytes);  // one row group of 16 rows, 256 / 32 = 8 u5f tiles
+  EXPECT_EQ(w.nbytes(), 8 * kU4FTileBytes);  // one row group of 16 rows, 256 / 32 = 8 u4f tiles
   std::vector<float> x(256, 1.f), out(2);
   EXPECT_THROW(w.linear(arg(x, {1, 256}, DType::kFloat32, "x"), arg(out, {1, 2}, DType::kFloat32, "out"), nullptr, 1),
                KernelArgumentError);

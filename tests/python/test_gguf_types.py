@@ -2,7 +2,8 @@
 (pagedserve._core.cpu.QuantizedWeight: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
 Q5_K, Q6_K): on random blocks of each type, for weights whose rows hold one
 and several blocks and a partial last row group, the C++ de-quantisation is
-gguf-py's bit for bit (the sign of zero included), the embedding lookup reads
+gguf-py's bit for bit (the sign of zero included; Q4_0, run on Q4_1 tiles
+with m = -8 d, gives a zero of either sign), the embedding lookup reads
 those rows, and linear_f32 in every kernel variant this CPU runs gives those
 values exactly for one-hot rows and agrees with a float64 F.linear on them
 within float32 summation noise."""
@@ -55,15 +56,17 @@ def test_dequantize_is_gguf_pys_bit_for_bit(name, n, k):
     raw = random_blocks(name, n, k, seed=n * 1000 + k)
     w = cpu.QuantizedWeight(torch.from_numpy(raw), name, n, k)
     assert (w.qtype, w.out_features, w.in_features) == (name, n, k)
-    assert w.integer_kernels == (name in ("q4_1", "q8_0"))
+    assert w.integer_kernels == (name in ("q4_0", "q4_1", "q5_0", "q8_0"))
     out = torch.full((n, k), float("nan"))
     w.dequantize(out, 2)
     want = reference(name, raw)
+    if name == "q4_0":  # d q + m with m = -8 d: d (q - 8) exactly, but q = 8 gives +0 where numpy's d * 0 is -0 (d < 0)
+        out, want = out + 0.0, want + 0.0  # -0 + 0 = +0: the values, bit for bit, zeros as +0
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))  # bits, so -0.0 too
     ids = torch.tensor([n - 1, 0, n // 2], dtype=torch.int64)
     rows = torch.empty(3, k)
     w.embedding(ids, rows)
-    assert torch.equal(rows.view(torch.int32), want[ids].view(torch.int32))
+    assert torch.equal((rows + 0.0 if name == "q4_0" else rows).view(torch.int32), want[ids].view(torch.int32))
 
 
 @pytest.mark.parametrize("name", TYPES)

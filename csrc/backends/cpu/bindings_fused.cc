@@ -50,6 +50,17 @@ void bind_fused(py::module_& m) {
       "out [T, I] = silu(input[:, :I]) * input[:, I:] for input [T, 2I] (SwiGLU's gate, rounded as Hugging Face's "
       "act_fn(gate) * up; vLLM's silu_and_mul). Raises KernelArgumentError.");
   m.def(
+      "gelu_tanh_and_mul",
+      [](py::handle out, py::handle input, int num_threads) {
+        auto o = tensor_arg(out, "out"), x = tensor_arg(input, "input");
+        py::gil_scoped_release release;
+        gelu_tanh_and_mul(o, x, num_threads);
+      },
+      py::arg("out"), py::arg("input"), py::arg("num_threads") = 1,
+      "out [T, I] = gelu_tanh(input[:, :I]) * input[:, I:] for input [T, 2I] (GeGLU's gate with torch's "
+      "tanh-approximated gelu, rounded as Hugging Face's act_fn(gate) * up; vLLM's gelu_tanh_and_mul). Raises "
+      "KernelArgumentError.");
+  m.def(
       "rotary_embedding",
       [](py::handle positions, py::handle query, py::object key, int64_t head_size, py::handle cos_sin_cache,
          bool is_neox, int num_threads) {

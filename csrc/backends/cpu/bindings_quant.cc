@@ -99,7 +99,8 @@ void bind_quant(py::module_& m) {
           "integer_kernels", [](const QuantizedWeight& w) {
             return w.tile_format() == TileFormat::kQ4_1 || w.tile_format() == TileFormat::kQ8_0;
           },
-          "Whether linear (int8 activations) runs this weight (Q4_1, Q8_0); linear_f32 runs every type.")
+          "Whether linear (int8 activations) runs this weight (Q4_0, Q4_1, Q5_0, Q8_0: the Q4_1 / Q8_0 tiles); "
+          "linear_f32 runs every type.")
       .def_property_readonly("in_features", &QuantizedWeight::in_features)
       .def_property_readonly("out_features", &QuantizedWeight::out_features);
 

@@ -34,7 +34,8 @@ struct NormArgs {
   float eps;
 };
 
-// out[r, i] = to_dtype(to_dtype(silu(x[r, i])) * x[r, d + i]) for i < d.
+// out[r, i] = to_dtype(to_dtype(act(x[r, i])) * x[r, d + i]) for i < d, act
+// silu (silu_and_mul) or tanh-approximated gelu (gelu_tanh_and_mul).
 struct SiluMulArgs {
   DType dtype;
   int64_t d;
@@ -66,6 +67,7 @@ struct FusedKernelTable {
   void (*rms_norm)(const NormArgs& a, int64_t r0, int64_t r1);
   void (*fused_add_rms_norm)(const NormArgs& a, int64_t r0, int64_t r1);
   void (*silu_and_mul)(const SiluMulArgs& a, int64_t r0, int64_t r1);
+  void (*gelu_tanh_and_mul)(const SiluMulArgs& a, int64_t r0, int64_t r1);
   void (*rotary_embedding)(const RotaryArgs& a, int64_t r0, int64_t r1);
 };
 

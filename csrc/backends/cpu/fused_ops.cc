@@ -218,7 +218,11 @@ void fused_add_rms_norm(const TensorArg& x, const TensorArg& residual, const Ten
   for_rows(T, H, num_threads, [&](int64_t r0, int64_t r1) { k.fused_add_rms_norm(a, r0, r1); });
 }
 
-void silu_and_mul(const TensorArg& out, const TensorArg& x, int num_threads) {
+namespace {
+
+// The checks and row split shared by the gated activations (silu_and_mul, gelu_tanh_and_mul).
+void gated_activation(const TensorArg& out, const TensorArg& x, int num_threads,
+                      void (*kernel)(const SiluMulArgs&, int64_t, int64_t)) {
   check_threads(num_threads);
   check_float_dtype(x);
   check_rows(x, -1, -1, false);
@@ -233,8 +237,17 @@ void silu_and_mul(const TensorArg& out, const TensorArg& x, int num_threads) {
   if (overlap(out, x)) throw KernelArgumentError("out overlaps x");
   if (T == 0 || I == 0) return;
   const SiluMulArgs a{x.dtype, I, x.data, x.strides[0], out.data, out.strides[0]};
-  const FusedKernelTable& k = table();
-  for_rows(T, 2 * I, num_threads, [&](int64_t r0, int64_t r1) { k.silu_and_mul(a, r0, r1); });
+  for_rows(T, 2 * I, num_threads, [&](int64_t r0, int64_t r1) { kernel(a, r0, r1); });
+}
+
+}  // namespace
+
+void silu_and_mul(const TensorArg& out, const TensorArg& x, int num_threads) {
+  gated_activation(out, x, num_threads, table().silu_and_mul);
+}
+
+void gelu_tanh_and_mul(const TensorArg& out, const TensorArg& x, int num_threads) {
+  gated_activation(out, x, num_threads, table().gelu_tanh_and_mul);
 }
 
 void rotary_embedding(const TensorArg& positions, const TensorArg& query, const TensorArg* key, int64_t head_size,

@@ -67,6 +67,14 @@ void fused_add_rms_norm(const TensorArg& x, const TensorArg& residual, const Ten
 // num_threads in [1, kMaxThreads]. Throws KernelArgumentError.
 void silu_and_mul(const TensorArg& out, const TensorArg& x, int num_threads = 1);
 
+// vLLM's `gelu_tanh_and_mul(out, x)`, the GeGLU gate (Shazeer 2020) of Gemma's
+// MLP (HF Gemma3MLP: act_fn(gate_proj(x)) * up_proj(x), act_fn
+// gelu_pytorch_tanh): out = to_dtype(to_dtype(gelu_tanh(x[:, :I])) * x[:, I:]),
+// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), computed as
+// g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) (the same number; within a
+// few float32 ulp of torch's). Tensors, threads and errors: as silu_and_mul.
+void gelu_tanh_and_mul(const TensorArg& out, const TensorArg& x, int num_threads = 1);
+
 // vLLM's `rotary_embedding(positions, query, key, head_size, cos_sin_cache,
 // is_neox)`: rotary position embedding (RoPE, Su et al. 2021) in place.
 // positions: [T] int64, each in [0, max_position) (checked, before anything is

@@ -62,6 +62,28 @@ void decode_small(QType q, const uint8_t* b, int8_t* qs, float* d, float* m) {
   m[0] = m[1] = minimum;
 }
 
+// v as a float16, exactly (false where it is not one: out of range or too many bits).
+bool exact_half(float v, uint16_t* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const float a = v < 0 ? -v : v;
+  if (a == 0.f) {
+    *out = sign;
+    return true;
+  }
+  const int exp = static_cast<int>((bits >> 23) & 0xFF) - 127;
+  if (exp >= -14 && exp <= 15) {  // a normal float16: the low 13 mantissa bits must be zero
+    if ((bits & 0x1FFFu) != 0) return false;
+    *out = static_cast<uint16_t>(sign | (exp + 15) << 10 | ((bits >> 13) & 0x3FFu));
+    return true;
+  }
+  const float steps = a * 16777216.f;  // a subnormal float16: a multiple of 2^-24 below 2^-14
+  if (exp > 15 || steps >= 1024.f || steps != static_cast<float>(static_cast<int>(steps))) return false;
+  *out = static_cast<uint16_t>(sign | static_cast<int>(steps));
+  return true;
+}
+
 // Q4_K / Q5_K's 6-bit scale and minimum of sub-block j (0..7) from the 12 scale bytes.
 void scale_min_k4(const uint8_t* s, int j, int* sc, int* mn) {
   if (j < 4) {
@@ -141,14 +163,41 @@ TileFormat tile_format_of(QType q) {
   switch (q) {
     case QType::kQ4_1: return TileFormat::kQ4_1;
     case QType::kQ8_0: return TileFormat::kQ8_0;
-    case QType::kQ4_0:
-    case QType::kQ5_0: return TileFormat::kS5F;  // q - 8, q - 16: signed 5-bit, no minimum
+    case QType::kQ4_0: return TileFormat::kQ4_1;  // as_stored_blocks: m = -8 d (kQ8_0 where that is no float16)
+    case QType::kQ5_0: return TileFormat::kQ8_0;  // as_stored_blocks: q - 16 as a byte
+    case QType::kQ4_K: return TileFormat::kU4F;  // 0..15 with a minimum
     case QType::kQ5_1:
-    case QType::kQ4_K:
     case QType::kQ5_K: return TileFormat::kU5F;  // 0..31 with a minimum
     case QType::kQ6_K: return TileFormat::kI8F;  // q - 32 (6 bits), a scale per 16 elements
   }
   return TileFormat::kI8F;
+}
+
+QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst) {
+  if (q != QType::kQ4_0 && q != QType::kQ5_0) throw KernelArgumentError("as_stored_blocks: Q4_0 or Q5_0 only");
+  int8_t qs[32];
+  float d[2], m[2];
+  if (q == QType::kQ4_0) {  // Q4_1 where every -8 d is a float16: same d and nibbles, m = -8 d
+    bool exact = true;
+    for (int64_t i = 0; i < blocks && exact; ++i) {
+      const uint8_t* b = src + i * 18;
+      uint16_t mh;
+      exact = exact_half(-8.f * fp16_at(b), &mh);
+      uint8_t* o = dst + i * 20;
+      std::memcpy(o, b, 2);
+      std::memcpy(o + 2, &mh, 2);
+      std::memcpy(o + 4, b + 2, 16);
+    }
+    if (exact) return QType::kQ4_1;
+  }
+  for (int64_t i = 0; i < blocks; ++i) {  // Q8_0: the same d, the signed quant as a byte
+    const uint8_t* b = src + i * qtype_block_bytes(q);
+    decode_small(q, b, qs, d, m);
+    uint8_t* o = dst + i * 34;
+    std::memcpy(o, b, 2);
+    std::memcpy(o + 2, qs, 32);
+  }
+  return QType::kQ8_0;
 }
 
 void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m) {

@@ -21,15 +21,17 @@
 //         low nibble is element 4p+b and its high nibble element 16+4p+b;
 //   q8_0 tile (544 bytes): uint16 d[16] (fp16), int8 qs[8][16][4]:
 //         qs[c][j][b] = element 4c+b of row j;
-//   u5f / s5f tile (448 bytes): float d[16], float m[16] (s5f: unused),
-//         uint8 qs[4][16][4] (q4_1's nibble order), uint32 qh[16] (bit e of
-//         row j's word: bit 4 of element e). Element e of row j is v = its
-//         nibble | its qh bit << 4: u5f d * v + m (v in 0..31), s5f d * v
-//         with v read as a signed 5-bit number (-16..15);
+//   u5f tile (448 bytes): float d[16], float m[16], uint8 qs[4][16][4]
+//         (q4_1's nibble order), uint32 qh[16] (bit e of row j's word: bit 4
+//         of element e). Element e of row j is d * v + m, v = its nibble | its
+//         qh bit << 4 (0..31);
+//   u4f tile (384 bytes): u5f's without qh: element e of row j is d * q + m,
+//         q its nibble (0..15);
 //   i8f tile (768 bytes): float d[2][16], float m[2][16], int8 qs[8][16][4]
 //         (q8_0's order): element e of row j is d[e / 16][j] * qs + m[e / 16][j].
 // The other GGUF block types are repacked exactly (gguf_types.h): Q4_0 (q - 8)
-// and Q5_0 (q - 16) into s5f, Q4_K, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
+// into q4_1 (m = -8 d; q8_0 where that is no float16) and Q5_0 (q - 16) into
+// q8_0, Q4_K into u4f, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
 // a scale per 16 elements) into i8f; their scales as the float32 products
 // gguf-py computes (Q4_K / Q5_K d * sc and -(dmin * m), Q6_K d * sc; m = -0.0
 // in i8f where the type has no minimum, so d * q + m is d * q bit for bit).
@@ -49,10 +51,12 @@ constexpr int kQ41TileBytes = 320; // 16 rows x (fp16 d + fp16 m + 16 nibble byt
 constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
 constexpr int kI8FTileBytes = 768; // 16 rows x (2 float d + 2 float m + 32 int8)
 constexpr int k5FTileBytes = 448;  // 16 rows x (float d + float m + 16 nibble bytes + uint32 high bits)
+constexpr int kU4FTileBytes = 384; // 16 rows x (float d + float m + 16 nibble bytes)
 
 // The tile formats the kernels read (above). q4_1 and q8_0 hold those GGUF
-// types' blocks as stored; u5f, s5f and i8f hold the other types.
-enum class TileFormat { kQ4_1, kQ8_0, kU5F, kS5F, kI8F };
+// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u5f and i8f hold the
+// other types.
+enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F };
 
 // Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea), stored
 // group-major so that a pass over consecutive rows reads one contiguous run per
@@ -87,7 +91,7 @@ constexpr int kF32Rows = 12;
 
 // One gemm_f32 call: out [M, N] float32 (row stride N) = x . W^T (+ bias [N]
 // float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
-// values: Q4_1 d * q + m, Q8_0 d * q, u5f / i8f d * q + m, s5f d * q), accumulated in float32 along k in
+// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f / i8f d * q + m), accumulated in float32 along k in
 // order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
 // the product and the sum separately).
 struct QuantF32GemmArgs {

@@ -277,7 +277,7 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
 // (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
-// u5f / s5f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
+// u5f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
 // bits for every type), d * 2^-24 stays normal for every d the repacking
 // makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's
 // d * q + m (or d * q - dm) does after its exact product.
@@ -290,17 +290,27 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 template <TileFormat Q>
 constexpr int64_t tile_bytes_of() {
   return Q == TileFormat::kQ4_1 ? kQ41TileBytes : Q == TileFormat::kQ8_0 ? kQ80TileBytes
-         : Q == TileFormat::kI8F ? kI8FTileBytes : k5FTileBytes;
+         : Q == TileFormat::kI8F ? kI8FTileBytes : Q == TileFormat::kU4F ? kU4FTileBytes : k5FTileBytes;
 }
 
-// The 5-bit formats (u5f, s5f: quant_isa.h): float d[16] at 0, m[16] at 64,
+// The 5-bit format (u5f: quant_isa.h): float d[16] at 0, m[16] at 64,
 // the nibbles at k5FNibbles in q4_1's order, the high bits (uint32 per row) at k5FHigh.
 template <TileFormat Q>
 constexpr bool five_bit() {
-  return Q == TileFormat::kU5F || Q == TileFormat::kS5F;
+  return Q == TileFormat::kU5F;
+}
+// The formats whose tiles hold float32 d[16] at 0 and m[16] at 64 (u5f, u4f).
+template <TileFormat Q>
+constexpr bool float_scales() {
+  return Q == TileFormat::kU5F || Q == TileFormat::kU4F;
 }
 constexpr int k5FNibbles = 128;
 constexpr int k5FHigh = 384;
+// Byte offset of the nibbles (q4_1's order) in a tile of the 4-bit formats (q4_1, u4f).
+template <TileFormat Q>
+constexpr int nibbles_at() {
+  return Q == TileFormat::kQ4_1 ? 64 : k5FNibbles;
+}
 
 // Whether a format's scales change at element 16 of a block (i8f: one d and m
 // per 16 elements); the SIMD loops reload them there.
@@ -387,23 +397,20 @@ void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float
       const int8_t q = static_cast<int8_t>(t[32 + 64 * (e >> 2) + 4 * j + (e & 3)]);
       w[j] = half_to_float(load_u16(t + 2 * j)) * static_cast<float>(q);
     }
-  } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kS5F) {
-    const uint8_t* t = a.w + (g * nb + b) * k5FTileBytes;
+  } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4F) {
+    const bool five = a.format == TileFormat::kU5F;
+    const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4FTileBytes);
     const int p = (e & 15) >> 2, byte = e & 3;
     for (int j = 0; j < kQRows; ++j) {
       const uint8_t qs = t[k5FNibbles + 64 * p + 4 * j + byte];
-      uint32_t qh;
-      memcpy(&qh, t + k5FHigh + 4 * j, 4);
+      uint32_t qh = 0;
+      if (five) memcpy(&qh, t + k5FHigh + 4 * j, 4);
       int v = (e < 16 ? qs & 0x0F : qs >> 4) | static_cast<int>((qh >> e) & 1u) << 4;
       float d, m;
       memcpy(&d, t + 4 * j, 4);
       memcpy(&m, t + 64 + 4 * j, 4);
-      if (a.format == TileFormat::kS5F) {
-        w[j] = d * static_cast<float>(v >= 16 ? v - 32 : v);  // exact: gguf-py's d * (q - offset)
-      } else {
-        const float prod = d * static_cast<float>(v);
-        w[j] = prod + m;
-      }
+      const float prod = d * static_cast<float>(v);
+      w[j] = prod + m;
     }
   } else {
     const uint8_t* t = a.w + (g * nb + b) * kI8FTileBytes;
@@ -591,9 +598,9 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, __m512 d, __m512 m) {
-  if constexpr (Q == TileFormat::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
-    const __m512i raw = _mm512_loadu_si512(t + 64 + 64 * p);
+    const __m512i raw = _mm512_loadu_si512(t + nibbles_at<Q>() + 64 * p);
     const __m512i idx = shift == 0 ? raw : _mm512_srli_epi32(raw, shift);
     const __m512 table = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
                                         14.f, 15.f);
@@ -605,12 +612,7 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
     const __m512i qh = _mm512_loadu_si512(t + k5FHigh);
     const __m512i hb = _mm512_and_si512(e >= 4 ? _mm512_srli_epi32(qh, e - 4) : _mm512_slli_epi32(qh, 4 - e),
                                         _mm512_set1_epi32(0x10));
-    __m512i v = _mm512_or_si512(nib, hb);
-    if constexpr (Q == TileFormat::kS5F) {  // a signed 5-bit number: d * v exact, gguf-py's one product
-      v = _mm512_srai_epi32(_mm512_slli_epi32(v, 27), 27);
-      (void)m;
-      return _mm512_mul_ps(_mm512_cvtepi32_ps(v), d);
-    }
+    const __m512i v = _mm512_or_si512(nib, hb);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
   } else {
     const int c = e >> 2, byte = e & 3;
@@ -628,11 +630,11 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
 }
 
 // The tile's scales for expand16: d (Q8_0, i8f: d * 2^-24) and m (Q4_1, u5f,
-// i8f; s5f's is unused; else zero); eh: which 16 elements of the block (i8f's
+// i8f; else zero); eh: which 16 elements of the block (i8f's
 // scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
-  if constexpr (five_bit<Q>()) {
+  if constexpr (float_scales<Q>()) {
     *d = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
     *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
     return;
@@ -992,9 +994,9 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // of its group; d, m that half's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, int e, __m256 d, __m256 m) {
-  if constexpr (Q == TileFormat::kQ4_1) {
+  if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nibbles_at<Q>() + 64 * p + 32 * h));
     const __m256i q = shift == 28 ? _mm256_srli_epi32(raw, 28)
                                   : _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F));
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);  // exact d * q: one rounding either way
@@ -1006,12 +1008,7 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
     const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FHigh + 32 * h));
     const __m256i hb = _mm256_and_si256(e >= 4 ? _mm256_srli_epi32(qh, e - 4) : _mm256_slli_epi32(qh, 4 - e),
                                         _mm256_set1_epi32(0x10));
-    __m256i v = _mm256_or_si256(nib, hb);
-    if constexpr (Q == TileFormat::kS5F) {  // a signed 5-bit number: d * v exact, gguf-py's one product
-      v = _mm256_srai_epi32(_mm256_slli_epi32(v, 27), 27);
-      (void)m;
-      return _mm256_mul_ps(_mm256_cvtepi32_ps(v), d);
-    }
+    const __m256i v = _mm256_or_si256(nib, hb);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
   } else {
     const int c = e >> 2, byte = e & 3;
@@ -1028,11 +1025,11 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
 }
 
 // The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i8f: d * 2^-24) and
-// m (Q4_1, u5f, i8f; s5f's is unused; else zero); eh: which 16 elements of the
+// m (Q4_1, u5f, i8f; else zero); eh: which 16 elements of the
 // block (i8f's scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
-  if constexpr (five_bit<Q>()) {
+  if constexpr (float_scales<Q>()) {
     *d = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);
     *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
     return;
@@ -1268,7 +1265,7 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
     case TileFormat::kQ4_1: gemm_f32_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kQ8_0: gemm_f32_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
-    case TileFormat::kS5F: gemm_f32_typed<TileFormat::kS5F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kU4F: gemm_f32_typed<TileFormat::kU4F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kI8F: gemm_f32_typed<TileFormat::kI8F>(a, g0, g1, m0, m1, scratch); break;
   }
 }

@@ -1,5 +1,5 @@
 // QuantizedWeight: GGUF weights repacked into the tiles of quant_kernels.cc
-// (Q4_1 / Q8_0 as they are, the other types decoded into i8f by
+// (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4f / i8f by
 // gguf_types.cc), the run-time choice of their variant, dequantisation and
 // the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
 // dequantisation must round d * q and + m separately, as numpy does).
@@ -54,8 +54,8 @@ int tile_bytes(TileFormat f) {
   switch (f) {
     case TileFormat::kQ4_1: return kQ41TileBytes;
     case TileFormat::kQ8_0: return kQ80TileBytes;
-    case TileFormat::kU5F:
-    case TileFormat::kS5F: return k5FTileBytes;
+    case TileFormat::kU5F: return k5FTileBytes;
+    case TileFormat::kU4F: return kU4FTileBytes;
     case TileFormat::kI8F: return kI8FTileBytes;
   }
   return kI8FTileBytes;
@@ -223,8 +223,18 @@ QuantizedWeight::QuantizedWeight(const TensorArg& raw, const std::string& qtype,
 QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_features, int64_t in_features)
     : qtype_(qtype), format_(tile_format_of(qtype)), n_(out_features), k_(in_features) {
   check_dims(qtype_, n_, k_);
+  // Q4_0 / Q5_0 become Q4_1 / Q8_0 blocks of the same values (gguf_types.h), kept in those types' tiles
+  std::vector<uint8_t> stored;
+  QType stored_type = qtype_;
+  if (qtype_ == QType::kQ4_0 || qtype_ == QType::kQ5_0) {
+    const int64_t blocks = n_ * (k_ / kQBlock);
+    stored.resize(static_cast<size_t>(blocks * qtype_block_bytes(QType::kQ8_0)));
+    stored_type = as_stored_blocks(qtype_, raw, blocks, stored.data());
+    format_ = tile_format_of(stored_type);
+    raw = stored.data();
+  }
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(format_);
-  const int64_t bb = qtype_block_bytes(qtype_);
+  const int64_t bb = qtype_block_bytes(stored_type);
   nbytes_ = groups * nb * tb;
   // every decode step streams all tiles of a model: huge pages spare the TLB misses (huge_pages.h)
   tiles_.reset(static_cast<uint8_t*>(huge_page_alloc(static_cast<size_t>(nbytes_))));
@@ -239,7 +249,7 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* src = raw + (row * nb + b) * bb;
       uint8_t* t = tiles + (g * nb + b) * tb;
-      if (qtype_ == QType::kQ4_1) {
+      if (stored_type == QType::kQ4_1) {
         std::memcpy(t + 2 * j, src, 2);           // d
         std::memcpy(t + 32 + 2 * j, src + 2, 2);  // m
         for (int p = 0; p < 4; ++p) std::memcpy(t + 64 + 64 * p + 4 * j, src + 4 + 4 * p, 4);
@@ -263,18 +273,17 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
     const int64_t g = row / kQRows, j = row % kQRows;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-      if (format_ != TileFormat::kI8F) {  // u5f / s5f: one scale per 32 (both halves' are equal), 5 bits a quant
+      if (format_ != TileFormat::kI8F) {  // u5f / u4f: one scale per 32 (both halves' are equal), 5 / 4 bits a quant
         std::memcpy(t + 4 * j, &d[static_cast<size_t>(2 * b)], 4);
         std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
         uint32_t high = 0;
         for (int e = 0; e < kQBlock; ++e) {
-          // s5f: the 5-bit two's complement of q - 8 or q - 16
           const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)]) & 0x1Fu;
           uint8_t& byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
           byte = static_cast<uint8_t>(byte | ((v & 0x0Fu) << (e < 16 ? 0 : 4)));
           high |= (v >> 4) << e;
         }
-        std::memcpy(t + 384 + 4 * j, &high, 4);
+        if (format_ == TileFormat::kU5F) std::memcpy(t + 384 + 4 * j, &high, 4);
         continue;
       }
       for (int h = 0; h < 2; ++h) {
@@ -292,21 +301,17 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
   const int64_t g = row / kQRows, j = row % kQRows;
   for (int64_t b = 0; b < nb; ++b, dst += kQBlock) {
     const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-    if (format_ == TileFormat::kU5F || format_ == TileFormat::kS5F) {
+    if (format_ == TileFormat::kU5F || format_ == TileFormat::kU4F) {
       float d, m;
-      uint32_t high;
+      uint32_t high = 0;
       std::memcpy(&d, t + 4 * j, 4);
       std::memcpy(&m, t + 64 + 4 * j, 4);
-      std::memcpy(&high, t + 384 + 4 * j, 4);
+      if (format_ == TileFormat::kU5F) std::memcpy(&high, t + 384 + 4 * j, 4);
       for (int e = 0; e < kQBlock; ++e) {
         const uint8_t byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
         const int v = (e < 16 ? byte & 0x0F : byte >> 4) | static_cast<int>((high >> e) & 1u) << 4;
-        if (format_ == TileFormat::kS5F) {
-          dst[e] = d * static_cast<float>(v >= 16 ? v - 32 : v);  // one exact product, as gguf-py
-        } else {
-          const float prod = d * static_cast<float>(v);
-          dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
-        }
+        const float prod = d * static_cast<float>(v);
+        dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
       }
       continue;
     }
@@ -321,7 +326,7 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
       continue;
     }
     const float d = half_to_float(load_u16(t + 2 * j));
-    if (qtype_ == QType::kQ4_1) {
+    if (format_ == TileFormat::kQ4_1) {
       const float m = half_to_float(load_u16(t + 32 + 2 * j));
       for (int p = 0; p < 4; ++p) {
         for (int e = 0; e < 4; ++e) {
@@ -403,7 +408,7 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
 void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias,
                                  int num_threads, const QuantKernelTable& kernels) const {
   if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {  // the integer kernels read no other tile
-    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_1 and q8_0 weights; this one is ") +
+    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_0, q4_1, q5_0 and q8_0 weights; this one is ") +
                               qtype_name(qtype_) + ": use linear_f32");
   }
   if (m <= 0) return;

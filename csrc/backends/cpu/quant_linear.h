@@ -63,14 +63,17 @@ int64_t qtype_block_bytes(QType q);
 // Elements of one GGUF block: 32, or 256 for the K-quants (Q4_K, Q5_K, Q6_K).
 int64_t qtype_block_elements(QType q);
 // The tile format a type is repacked into (quant_isa.h): Q4_1 and Q8_0 their
-// own; Q4_0 and Q5_0 s5f; Q4_K, Q5_1 and Q5_K u5f; Q6_K i8f.
+// own; Q4_0 Q4_1's (Q8_0's where some -8 d is no float16: QuantizedWeight
+// decides per weight) and Q5_0 Q8_0's (gguf_types.h: as_stored_blocks); Q4_K
+// u4f; Q5_1 and Q5_K u5f; Q6_K i8f.
 TileFormat tile_format_of(QType q);
 
 // A GGUF-quantized weight matrix W [N out, K in], repacked once into the
 // interleaved 16-row tiles of quant_isa.h (aligned memory it owns; the raw
-// bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; the other
-// types become u5f / s5f tiles (0.875 bytes per weight) or, Q6_K, i8f tiles
-// (1.5) of exactly the same values.
+// bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; Q4_0 and Q5_0
+// are rewritten as Q4_1 (0.625 bytes per weight) and Q8_0 (1.0625) blocks of
+// the same values; the other types become u4f (Q4_K, 0.75 bytes per weight),
+// u5f (Q5_1, Q5_K: 0.875) or i8f (Q6_K: 1.5) tiles of exactly the same values.
 class QuantizedWeight {
  public:
   // raw: uint8 [N, K / block_elements * block_bytes], contiguous: each row's
@@ -114,7 +117,7 @@ class QuantizedWeight {
   // The work is split over N (row groups of 16) and, for large M, over M, on
   // num_threads (1 .. 1024) threads of the shared pool (thread_pool.h); small
   // problems run on the calling thread. M may be 0 (nothing happens).
-  // Q4_1 and Q8_0 only (other types throw: their integer kernels are not
+  // Q4_0, Q4_1, Q5_0 and Q8_0 (their Q4_1 / Q8_0 tiles; other types throw: their integer kernels are not
   // written yet). Throws KernelArgumentError (before writing anything).
   void linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
 
@@ -139,7 +142,7 @@ class QuantizedWeight {
 
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
-  // Throws KernelArgumentError for a weight of a type other than Q4_1 / Q8_0.
+  // Throws KernelArgumentError for a weight of a type other than Q4_0, Q4_1, Q5_0, Q8_0.
   void linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias, int num_threads,
                   const QuantKernelTable& kernels) const;
 
@@ -149,7 +152,7 @@ class QuantizedWeight {
   };
   // dst [K] = row `row` de-quantised to float32 (gguf-py's values, bit for bit).
   void dequantize_row(int64_t row, float* dst) const;
-  // Fills the u5f / s5f / i8f tiles from raw rows of a type gguf_types.cc decodes.
+  // Fills the u5f / u4f / i8f tiles from raw rows of a type gguf_types.cc decodes.
   void repack_decoded(const uint8_t* raw);
   QType qtype_;
   TileFormat format_;

@@ -434,8 +434,9 @@ def format_report(runs: list[dict], rows: list[dict], args) -> str:
         for x in rows:
             lines.append(f"| {x['load']} | {x['baseline']} / {x['other']} | {_f(x['output_tok_s_ratio'], '.2f')}x "
                          f"| {_f(x['tpot_p50_ratio'], '.2f')}x |")
-        lines.append("(output tok/s ratio above 1: the baseline is faster; TPOT p50 ratio below 1: the baseline "
-                     "is faster)")
+        first = rows[0]["baseline"]
+        lines.append(f"(ratios are {first}'s over the other's: output tok/s ratio above 1, {first} serves more "
+                     f"tokens a second; TPOT p50 ratio below 1, {first} takes less time per token)")
     counted = sorted({c for r in runs for c in r["counted_by"]})
     lines += ["", f"tokens check: requests that produced exactly {args.output_len} tokens, counted by "
                   f"{' and '.join(counted) or 'nothing (no request completed)'} (usage = the final chunk's "

@@ -16,6 +16,7 @@ from .. import _core
 from .gguf_linear import GGUFEmbedding, GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, fuse_plain, lean_linear_shapes, why_not_lean
 from .linear import choose_linear_impl, describe, make_linear, swap_linears
+from .native_step import NativeStepDecoder, why_no_native_step
 from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
 
 logger = logging.getLogger(__name__)
@@ -28,8 +29,9 @@ class PreparedModel:
     """What prepare_model did.
 
     Attributes:
-        lean: the lean decoder (called by ModelRunner instead of the Hugging
-            Face decoder), or None.
+        lean: what ModelRunner calls instead of the Hugging Face decoder: the
+            lean Llama decoder, or the native step over the Hugging
+            Face modules (NativeStepDecoder: Gemma 3, Qwen 2 and 3); or None.
         model_impl: "pagedserve" or "transformers", and why (for the log).
         linear_impl: the GEMM path ("torch", "onednn", "gguf") or the quantisation ("q4", "int8").
         linear_path: one line naming the linear layers' path and why.
@@ -142,6 +144,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             _core.cpu.set_thread_pool_spin_us(0)
             if lean is not None:  # the blocks serve no call: neither does the native step built on them
                 lean.native, lean.why_not_native = None, "the gguf path measured slower at every row count"
+        if lean is None and builder.max_rows > 0 and why_no_native_step(config, device) is None:
+            # the Hugging Face modules, now on the blocks, under a native step (they serve what it does not)
+            lean = NativeStepDecoder(model, max_model_len)
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
