@@ -36,20 +36,25 @@ class CountingNative:
         self.native.forward(*args)
 
 
+def q8_gguf_linear(dense: torch.nn.Linear, max_rows: int = 128) -> GGUFFloatLinear:
+    """``dense`` on Q8_0 blocks of its weight, whose float32 weights become the blocks' exact values (as a
+    GGUF-loaded model's are), as the gguf path builds a layer."""
+    n, k = dense.weight.shape
+    weight = _core.cpu.QuantizedWeight(quantize_rows(dense.weight.detach(), "q8_0"), "q8_0", n, k)
+    values = torch.empty(n, k)
+    weight.dequantize(values)
+    with torch.no_grad():
+        dense.weight.copy_(values)
+    return GGUFFloatLinear(weight, dense.bias, dense, max_rows)
+
+
 def on_q8_blocks(llm: LLM) -> None:
-    """Puts every linear layer of ``llm``'s lean decoder on Q8_0 blocks (its float32 weights become the blocks'
-    exact values, as a GGUF-loaded model's are) and builds the native step, as the gguf path does."""
+    """Puts every linear layer of ``llm``'s lean decoder on Q8_0 blocks and builds the native step, as the
+    gguf path does."""
     lean = llm.engine.runner.lean
     for layer in lean.layers:
         for attr in _LINEARS:
-            dense = getattr(layer, attr)
-            n, k = dense.weight.shape
-            weight = _core.cpu.QuantizedWeight(quantize_rows(dense.weight.detach(), "q8_0"), "q8_0", n, k)
-            values = torch.empty(n, k)
-            weight.dequantize(values)
-            with torch.no_grad():
-                dense.weight.copy_(values)
-            setattr(layer, attr, GGUFFloatLinear(weight, dense.bias, dense, 128))
+            setattr(layer, attr, q8_gguf_linear(getattr(layer, attr)))
     lean.build_native()
     assert lean.why_not_native is None and lean.native is not None
 

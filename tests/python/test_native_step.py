@@ -15,12 +15,11 @@ import torch
 import families
 from pagedserve import LLM, SamplingParams, _core
 from pagedserve.errors import KernelArgumentError
-from pagedserve.model.gguf_linear import GGUFFloatLinear
 from pagedserve.model.native_step import NativeStepDecoder, why_no_native_step
-from pagedserve.model.quantization import quantize_rows
 from pagedserve.model.runner import check_prompt
 
 from test_lean_llama import prompts
+from test_native_decoder import q8_gguf_linear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
 NATIVE_FAMILIES = [f for f in ("gemma3", "qwen2", "qwen3") if f in families.available()]
@@ -40,20 +39,13 @@ class CountingNative:
 
 
 def on_q8_blocks(llm: LLM, max_rows: int = 128) -> NativeStepDecoder:
-    """Puts every nn.Linear of ``llm``'s decoder layers on Q8_0 blocks (its float32 weights become the blocks'
-    exact values, as a GGUF-loaded model's are), as the gguf path's swap does, and makes the runner call a
-    NativeStepDecoder over the modules."""
+    """Puts every nn.Linear of ``llm``'s decoder layers on Q8_0 blocks, as the gguf path's swap does, and makes
+    the runner call a NativeStepDecoder over the modules."""
     model = llm.engine.model
     for module in list(model.model.layers.modules()):
         for name, child in list(module.named_children()):
             if type(child) is torch.nn.Linear:
-                n, k = child.weight.shape
-                weight = _core.cpu.QuantizedWeight(quantize_rows(child.weight.detach(), "q8_0"), "q8_0", n, k)
-                values = torch.empty(n, k)
-                weight.dequantize(values)
-                with torch.no_grad():
-                    child.weight.copy_(values)
-                setattr(module, name, GGUFFloatLinear(weight, child.bias, child, max_rows))
+                setattr(module, name, q8_gguf_linear(child, max_rows))
     decoder = NativeStepDecoder(model, llm.engine.max_model_len)
     assert decoder.native is not None, decoder.why_not_native
     llm.engine.runner.lean = decoder

@@ -132,10 +132,11 @@ void fused_add_rms_norm_typed(const NormArgs& a, int64_t r0, int64_t r1) {
   }
 }
 
-// ---- silu_and_mul (SwiGLU's gate, Shazeer 2020; vLLM's op) ----
+// ---- silu_and_mul (SwiGLU's gate) and gelu_tanh_and_mul (GeGLU's: Gemma's MLP);
+// Shazeer 2020, vLLM's ops ----
 
-template <typename T>
-void silu_and_mul_typed(const SiluMulArgs& a, int64_t r0, int64_t r1) {
+template <typename T, float (*Act)(float)>
+void gated_and_mul_typed(const SiluMulArgs& a, int64_t r0, int64_t r1) {
   const int64_t d = a.d;
   for (int64_t r = r0; r < r1; ++r) {
     const T* gate = static_cast<const T*>(a.x) + r * a.x_stride;
@@ -143,24 +144,7 @@ void silu_and_mul_typed(const SiluMulArgs& a, int64_t r0, int64_t r1) {
     T* out = static_cast<T*>(a.out) + r * a.out_stride;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) {
-      const float s = rnd(silu(ld(gate[i])), out);  // act_fn(gate) stored in dtype T
-      st(s * ld(up[i]), out + i);
-    }
-  }
-}
-
-// ---- gelu_tanh_and_mul (GeGLU's gate, Shazeer 2020; Gemma's MLP; vLLM's op) ----
-
-template <typename T>
-void gelu_tanh_and_mul_typed(const SiluMulArgs& a, int64_t r0, int64_t r1) {
-  const int64_t d = a.d;
-  for (int64_t r = r0; r < r1; ++r) {
-    const T* gate = static_cast<const T*>(a.x) + r * a.x_stride;
-    const T* up = gate + d;
-    T* out = static_cast<T*>(a.out) + r * a.out_stride;
-#pragma omp simd
-    for (int64_t i = 0; i < d; ++i) {
-      const float s = rnd(gelu_tanh(ld(gate[i])), out);  // act_fn(gate) stored in dtype T
+      const float s = rnd(Act(ld(gate[i])), out);  // act_fn(gate) stored in dtype T
       st(s * ld(up[i]), out + i);
     }
   }
@@ -233,17 +217,17 @@ void fused_add_rms_norm(const NormArgs& a, int64_t r0, int64_t r1) {
 
 void silu_and_mul(const SiluMulArgs& a, int64_t r0, int64_t r1) {
   if (a.dtype == DType::kFloat32) {
-    silu_and_mul_typed<float>(a, r0, r1);
+    gated_and_mul_typed<float, silu>(a, r0, r1);
   } else {
-    silu_and_mul_typed<bf16>(a, r0, r1);
+    gated_and_mul_typed<bf16, silu>(a, r0, r1);
   }
 }
 
 void gelu_tanh_and_mul(const SiluMulArgs& a, int64_t r0, int64_t r1) {
   if (a.dtype == DType::kFloat32) {
-    gelu_tanh_and_mul_typed<float>(a, r0, r1);
+    gated_and_mul_typed<float, gelu_tanh>(a, r0, r1);
   } else {
-    gelu_tanh_and_mul_typed<bf16>(a, r0, r1);
+    gated_and_mul_typed<bf16, gelu_tanh>(a, r0, r1);
   }
 }
 

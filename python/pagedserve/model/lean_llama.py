@@ -95,7 +95,32 @@ class LeanLlamaLayer(torch.nn.Module):
         self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
 
 
-class LeanLlamaDecoder(torch.nn.Module):
+class NativeStepInfo:
+    """What a decoder with a native decode step says about it: ``native`` (the
+    C++ NativeDecoder, or None with ``why_not_native``) runs on the GGUF
+    layers ``_native_linears``; ``native_label`` names it in the log."""
+
+    native_label = "native C++ step"
+
+    def native_max_rows(self) -> int:
+        """The largest step (tokens) the native decode step serves: the GGUF
+        layers' row bound (0 without a native step)."""
+        if self.native is None:
+            return 0
+        return min(module.max_rows for module in self._native_linears)
+
+    def describe_native(self) -> str:
+        """One line for the start-up log: where the native decode step runs, or why not."""
+        if self.native is None:
+            return f"no native decode step ({self.why_not_native})"
+        from .gguf_linear import UNBOUNDED_ROWS
+
+        rows = self.native_max_rows()
+        return f"{self.native_label} for steps of " + ("every size" if rows >= UNBOUNDED_ROWS
+                                                         else f"up to {rows} tokens")
+
+
+class LeanLlamaDecoder(NativeStepInfo, torch.nn.Module):
     """The Llama decoder (embeddings, layers, final norm) as one flat loop.
 
     Args:
@@ -138,22 +163,6 @@ class LeanLlamaDecoder(torch.nn.Module):
         self.native, self.why_not_native = native_decoder(self)
         # the GGUF layers whose row bound (set by the gguf tuner) bounds the native step
         self._native_linears = [getattr(layer, attr) for layer in self.layers for attr in _LINEARS]
-
-    def native_max_rows(self) -> int:
-        """The largest step (tokens) the native decode step serves: the GGUF
-        layers' row bound (0 without a native step)."""
-        if self.native is None:
-            return 0
-        return min(module.max_rows for module in self._native_linears)
-
-    def describe_native(self) -> str:
-        """One line for the start-up log: where the native decode step runs, or why not."""
-        if self.native is None:
-            return f"no native decode step ({self.why_not_native})"
-        from .gguf_linear import UNBOUNDED_ROWS
-
-        rows = self.native_max_rows()
-        return "native C++ step for steps of " + ("every size" if rows >= UNBOUNDED_ROWS else f"up to {rows} tokens")
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

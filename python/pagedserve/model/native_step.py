@@ -27,7 +27,7 @@ import torch
 
 from .. import _core
 from .attention import ForwardContext, forward_context
-from .lean_llama import STATIC_ROPE_TYPES
+from .lean_llama import STATIC_ROPE_TYPES, NativeStepInfo
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,7 @@ def _eps(norm: torch.nn.Module) -> float:
     return float(norm.eps if eps is None else eps)
 
 
-class NativeStepDecoder(torch.nn.Module):
+class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
     """A decoder (a family of FAMILIES) whose steps run as one C++ call where
     they can, and on the Hugging Face decoder otherwise.
 
@@ -137,13 +137,14 @@ class NativeStepDecoder(torch.nn.Module):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         scalar = getattr(config, "query_pre_attn_scalar", None)
         self.scale = float(scalar) ** -0.5 if scalar else self.head_dim ** -0.5
+        self.native_label = "native C++ step over the modules' blocks"
         self.layer_types = list(getattr(config, "layer_types", None) or
                                 ["full_attention"] * config.num_hidden_layers)
         window = getattr(config, "sliding_window", None) or 0
         self.window = window if 0 < window < max_model_len else 0  # as the attention hook: none if it masks nothing
         self.rope_types = sorted(_rope_types(config))  # the tables ("": one for every layer)
         self._probe = torch.zeros(1, dtype=torch.float32)  # the rotary module reads only its dtype and device
-        self._linears: list[torch.nn.Module] = []
+        self._native_linears: list[torch.nn.Module] = []
         self.build_native()
 
     def _factor(self, norm: torch.nn.Module) -> torch.Tensor:
@@ -173,7 +174,7 @@ class NativeStepDecoder(torch.nn.Module):
         linear layer must be on GGUF blocks (GGUFFloatLinear) and the embedding
         float32 or on blocks; else ``native`` is None and ``why_not_native``
         says why. The C++ decoder shares the blocks (no copy)."""
-        self.native, self.why_not_native, self._linears = None, None, []
+        self.native, self.why_not_native, self._native_linears = None, None, []
         layers, fam = list(self.decoder.layers), self.family
         if not layers:
             self.why_not_native = "no decoder layers"
@@ -185,7 +186,7 @@ class NativeStepDecoder(torch.nn.Module):
                 if _blocks(module) is None:
                     self.why_not_native = f"model.layers.{i}.{name} is not on GGUF blocks"
                     return
-                self._linears.append(module)
+                self._native_linears.append(module)
         embed = self.decoder.embed_tokens
         scale = getattr(embed, "embed_scale", None)
         scale = 1.0 if scale is None else float(torch.as_tensor(scale).float())
@@ -224,23 +225,6 @@ class NativeStepDecoder(torch.nn.Module):
             self.why_not_native = f"the native decoder refused the weights ({e})"
             return
         self.native = native
-
-    def native_max_rows(self) -> int:
-        """The largest step (tokens) the native step serves: the GGUF layers'
-        row bound (0 without a native step)."""
-        if self.native is None:
-            return 0
-        return min(module.max_rows for module in self._linears)
-
-    def describe_native(self) -> str:
-        """One line for the start-up log: where the native decode step runs, or why not."""
-        if self.native is None:
-            return f"no native decode step ({self.why_not_native})"
-        from .gguf_linear import UNBOUNDED_ROWS
-
-        rows = self.native_max_rows()
-        return ("native C++ step over the modules' blocks for steps of " +
-                ("every size" if rows >= UNBOUNDED_ROWS else f"up to {rows} tokens"))
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
