@@ -101,8 +101,9 @@ class EngineArgs:
         choices=["none", "q4", "int8"]))
     model_impl: str = field(default="auto", metadata=_arg(
         "decoder forward: auto = PagedServe's lean forward where the architecture has one (Llama), else the "
-        "Hugging Face modules; pagedserve = the lean forward (error if none); transformers = the Hugging Face "
-        "modules", choices=["auto", "pagedserve", "transformers"]))
+        "Hugging Face modules (Gemma 3, Qwen 2/3: under the native step where it applies); pagedserve = the lean "
+        "forward (error if none); transformers = the Hugging Face modules only",
+        choices=["auto", "pagedserve", "transformers"]))
     native_step: bool = field(default=True, metadata=_arg(
         "run a step as one C++ call (embedding, every layer's kernels, final norm) where every linear layer is on "
         "GGUF blocks (the gguf path) and the step fits its row bound: Llama's lean forward, and Gemma 3 / Qwen 2 / "

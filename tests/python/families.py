@@ -48,11 +48,13 @@ def available() -> list[str]:
             if hasattr(transformers, cfg) and hasattr(transformers, model)]
 
 
-def build(name: str, path, seed: int = 0, vocab_size: int | None = None) -> str:
+def build(name: str, path, seed: int = 0, vocab_size: int | None = None, overrides: dict | None = None) -> str:
     """Saves a tiny random model of the family at path (vocab_size: to match a
-    tokenizer saved beside it); returns the path."""
+    tokenizer saved beside it; overrides: config fields on top of the
+    family's); returns the path."""
     cfg_name, model_name, extra, _ = FAMILIES[name]
     kw = dict(extra) if name == "gpt2" else {**COMMON, **extra}
+    kw.update(overrides or {})
     if vocab_size is not None:
         kw["vocab_size"] = vocab_size
     config = getattr(transformers, cfg_name)(**kw)

@@ -44,10 +44,16 @@ std::vector<float> floats(const py::handle& t, const char* name) {
 // A linear layer: one QuantizedWeight, or a list (tuple) of them whose outputs are concatenated.
 NativeLinear native_linear(const py::handle& w, const py::handle& bias, const char* name) {
   NativeLinear lin;
+  auto weight = [name](const py::handle& part) {
+    if (!py::isinstance<QuantizedWeight>(part)) {
+      throw KernelArgumentError(std::string(name) + "_proj: expected a QuantizedWeight or a list of them");
+    }
+    return part.cast<std::shared_ptr<QuantizedWeight>>();
+  };
   if (py::isinstance<py::list>(w) || py::isinstance<py::tuple>(w)) {
-    for (const py::handle& part : w) lin.parts.push_back(part.cast<std::shared_ptr<QuantizedWeight>>());
+    for (const py::handle& part : w) lin.parts.push_back(weight(part));
   } else {
-    lin.parts.push_back(w.cast<std::shared_ptr<QuantizedWeight>>());
+    lin.parts.push_back(weight(w));
   }
   lin.bias = floats(bias, (std::string(name) + "_bias").c_str());
   return lin;
@@ -62,7 +68,7 @@ NativeActivation parse_activation(const std::string& name) {
 void bind_native(py::module_& m) {
   py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(
       m, "NativeDecoder",
-      "A decoder's whole forward in one call (the native decode step; Llama family and Gemma 3): the kernels the "
+      "A decoder's whole forward in one call (the native decode step; Llama family, Gemma 3, Qwen 2 and 3): the kernels the "
       "Python paths call (QuantizedWeight.linear_f32 on the GGUF's blocks, the fused ops, reshape_and_cache, the "
       "step's AttentionPlan) in a layer's order, without a Python call between them; for Llama bit-identical to "
       "the lean forward. float32.")

@@ -38,8 +38,9 @@ void bind_quant(py::module_& m) {
            "blocks row by row (per block of 32 elements: Q4_0 18 bytes, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34; per "
            "256: Q4_K 144, Q5_K 176, Q6_K 210); qtype 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k' or "
            "'q6_k'; in_features a multiple of the block's elements. The bytes are copied (Q4_1 and Q8_0 as they "
-           "are; Q4_0, Q5_0, Q5_1, Q4_K, Q5_K as 5-bit quants with float32 scales, 0.875 bytes per weight; Q6_K "
-           "as int8 quants with float32 scales per 16 elements, 1.5 bytes per weight). "
+           "are; Q4_0 as Q4_1 blocks, 0.625 bytes per weight, and Q5_0 as Q8_0 blocks, 1.0625, of the same "
+           "values; Q4_K as 4-bit quants with float32 scales, 0.75; Q5_1, Q5_K as 5-bit ones, 0.875; Q6_K as int8 "
+           "quants with float32 scales per 16 elements, 1.5). "
            "Raises KernelArgumentError.")
       .def(
           "dequantize",

@@ -70,9 +70,10 @@ void silu_and_mul(const TensorArg& out, const TensorArg& x, int num_threads = 1)
 // vLLM's `gelu_tanh_and_mul(out, x)`, the GeGLU gate (Shazeer 2020) of Gemma's
 // MLP (HF Gemma3MLP: act_fn(gate_proj(x)) * up_proj(x), act_fn
 // gelu_pytorch_tanh): out = to_dtype(to_dtype(gelu_tanh(x[:, :I])) * x[:, I:]),
-// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), computed as
-// g / (1 + exp(-2 sqrt(2/pi) (g + 0.044715 g^3))) (the same number; within a
-// few float32 ulp of torch's). Tensors, threads and errors: as silu_and_mul.
+// gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), in torch's
+// form (tanh from exp; within a few float32 ulp of 1 + tanh(u) of torch's,
+// so its cancellation for g below about -3 is torch's too). Tensors, threads
+// and errors: as silu_and_mul.
 void gelu_tanh_and_mul(const TensorArg& out, const TensorArg& x, int num_threads = 1);
 
 // vLLM's `rotary_embedding(positions, query, key, head_size, cos_sin_cache,

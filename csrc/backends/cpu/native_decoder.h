@@ -1,5 +1,5 @@
 // The native decode step: a decoder's whole forward over one step's flat batch
-// in one C++ call, for the Llama family and Gemma 3 (and any decoder built
+// in one C++ call, for the Llama family, Gemma 3, Qwen 2 and Qwen 3 (and any decoder built
 // from the same pieces). Per layer:
 //
 //   [fused add +] RMSNorm (input_layernorm) -> qkv_proj -> [per-head RMSNorm of

@@ -54,8 +54,8 @@ constexpr int k5FTileBytes = 448;  // 16 rows x (float d + float m + 16 nibble b
 constexpr int kU4FTileBytes = 384; // 16 rows x (float d + float m + 16 nibble bytes)
 
 // The tile formats the kernels read (above). q4_1 and q8_0 hold those GGUF
-// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u5f and i8f hold the
-// other types.
+// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4f, u5f and i8f hold
+// the other types.
 enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F };
 
 // Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea), stored

@@ -277,7 +277,7 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
 // (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
-// u5f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
+// u5f / u4f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
 // bits for every type), d * 2^-24 stays normal for every d the repacking
 // makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's
 // d * q + m (or d * q - dm) does after its exact product.
@@ -630,7 +630,7 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
 }
 
 // The tile's scales for expand16: d (Q8_0, i8f: d * 2^-24) and m (Q4_1, u5f,
-// i8f; else zero); eh: which 16 elements of the block (i8f's
+// u4f, i8f; else zero); eh: which 16 elements of the block (i8f's
 // scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
@@ -1025,7 +1025,7 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
 }
 
 // The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i8f: d * 2^-24) and
-// m (Q4_1, u5f, i8f; else zero); eh: which 16 elements of the
+// m (Q4_1, u5f, u4f, i8f; else zero); eh: which 16 elements of the
 // block (i8f's scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {

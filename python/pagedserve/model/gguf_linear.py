@@ -8,9 +8,10 @@ blocks' values (Q4_1: w = d q + m, Q8_0: w = d q, Q6_K: w = d sc (q - 32),
 The kernel ``QuantizedWeight.linear_f32`` expands each block to those float32
 values in registers and multiplies them with the float32 activations,
 accumulating in float32: the products of a float32 GEMM on the dense weights,
-summed in another order, while reading 4.5 (Q4_1), 8.5 (Q8_0), 7 (Q4_0,
-Q5_0, Q5_1, Q4_K, Q5_K: 5-bit quants with float32 scales) or 12 (Q6_K: int8
-with float32 scales per 16) bits per weight instead of 32. A decode step (a few to a few dozen rows per call) is
+summed in another order, while reading 4.5 (Q4_1), 8.5 (Q8_0), 5 (Q4_0, held
+as Q4_1), 8.5 (Q5_0, held as Q8_0), 6 (Q4_K: 4-bit quants with float32
+scales), 7 (Q5_1, Q5_K: 5-bit ones) or 12 (Q6_K: int8 with float32 scales per
+16) bits per weight instead of 32. A decode step (a few to a few dozen rows per call) is
 bound by reading the weights, so this is where it pays; calls of more than
 ``max_rows`` rows (prefill chunks) go to the dense float32 layer the module
 keeps (the model's own weights on the measured dense path). Unlike

@@ -142,7 +142,10 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                                 ["full_attention"] * config.num_hidden_layers)
         window = getattr(config, "sliding_window", None) or 0
         self.window = window if 0 < window < max_model_len else 0  # as the attention hook: none if it masks nothing
-        self.rope_types = sorted(_rope_types(config))  # the tables ("": one for every layer)
+        # the tables: one per layer type the layers have where the rope is per type (the rotary module builds
+        # only those), else one for every layer ("")
+        per_type = "" not in _rope_types(config)
+        self.rope_types = sorted(set(self.layer_types)) if per_type else [""]
         self._probe = torch.zeros(1, dtype=torch.float32)  # the rotary module reads only its dtype and device
         self._native_linears: list[torch.nn.Module] = []
         self.build_native()
@@ -198,7 +201,8 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                 self.why_not_native = f"the embedding is {table.dtype}, not float32"
                 return
             table = table.contiguous()
-        rope_index = {t: i for i, t in enumerate(self.rope_types)}
+        rope_index = {t: i for i, t in enumerate(self.rope_types)} if self.rope_types != [""] else \
+            {t: 0 for t in self.layer_types}
         activation = fam.activations[_activation_name(self.decoder.config)]
         try:
             native = _core.cpu.NativeDecoder(
@@ -219,7 +223,7 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                     [_blocks(x) for x in qkv], _blocks(a.o_proj), [_blocks(x) for x in gate_up], _blocks(m.down_proj),
                     _bias(qkv), _bias([a.o_proj]), _bias(gate_up), _bias([m.down_proj]),
                     self._factor(layer.input_layernorm), self._factor(pre_mlp), _eps(layer.input_layernorm),
-                    _eps(pre_mlp), rope_table=rope_index.get(layer_type, 0),
+                    _eps(pre_mlp), rope_table=rope_index[layer_type],
                     sliding_window=self.window if layer_type == "sliding_attention" else 0, **optional)
         except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; the modules serve
             self.why_not_native = f"the native decoder refused the weights ({e})"

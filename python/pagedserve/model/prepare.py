@@ -144,7 +144,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             _core.cpu.set_thread_pool_spin_us(0)
             if lean is not None:  # the blocks serve no call: neither does the native step built on them
                 lean.native, lean.why_not_native = None, "the gguf path measured slower at every row count"
-        if lean is None and builder.max_rows > 0 and why_no_native_step(config, device) is None:
+        if (lean is None and model_impl != "transformers" and builder.max_rows > 0
+                and why_no_native_step(config, device) is None):
             # the Hugging Face modules, now on the blocks, under a native step (they serve what it does not)
             lean = NativeStepDecoder(model, max_model_len)
     if lean is not None:

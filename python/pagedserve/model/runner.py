@@ -51,7 +51,8 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, kv_cache, backend: AttentionBackend, max_model_len: int,
                  lean=None) -> None:
         self.model = model
-        self.lean = lean  # pagedserve.model.lean_llama.LeanLlamaDecoder, or None: the Hugging Face decoder
+        # lean_llama.LeanLlamaDecoder or native_step.NativeStepDecoder; None: the Hugging Face decoder
+        self.lean = lean
         self.decoder = model.get_decoder()
         self.lm_head = model.get_output_embeddings()
         self.logits_transform = logits_transform(model.config)
