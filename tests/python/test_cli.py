@@ -133,7 +133,9 @@ def test_ctrl_c_stops_the_answer_and_the_server_aborts_it(server):
 
     aborts = "vllm:request_success_total{finished_reason=abort}"
     before = metrics(server).get(aborts, 0)
-    proc = subprocess.Popen([*pagedserve_cmd(), "chat", "--url", server, "--temperature", "0", "--max-tokens", "500"],
+    # an answer long enough (1800 tokens, ~25 s) that the interrupt lands before its end even when this process
+    # waits for a core: with 500 tokens (~6 s) a loaded 2-core CI machine once saw the whole answer first
+    proc = subprocess.Popen([*pagedserve_cmd(), "chat", "--url", server, "--temperature", "0", "--max-tokens", "1800"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         proc.stdin.write("Tell me a long story about a dragon.\n")
