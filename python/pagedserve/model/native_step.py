@@ -146,6 +146,7 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
         # only those), else one for every layer ("")
         per_type = "" not in _rope_types(config)
         self.rope_types = sorted(set(self.layer_types)) if per_type else [""]
+        self.rope_index = {lt: self.rope_types.index(lt) if per_type else 0 for lt in self.layer_types}
         self._probe = torch.zeros(1, dtype=torch.float32)  # the rotary module reads only its dtype and device
         self._native_linears: list[torch.nn.Module] = []
         self.build_native()
@@ -201,8 +202,6 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                 self.why_not_native = f"the embedding is {table.dtype}, not float32"
                 return
             table = table.contiguous()
-        rope_index = {t: i for i, t in enumerate(self.rope_types)} if self.rope_types != [""] else \
-            {t: 0 for t in self.layer_types}
         activation = fam.activations[_activation_name(self.decoder.config)]
         try:
             native = _core.cpu.NativeDecoder(
@@ -223,7 +222,7 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                     [_blocks(x) for x in qkv], _blocks(a.o_proj), [_blocks(x) for x in gate_up], _blocks(m.down_proj),
                     _bias(qkv), _bias([a.o_proj]), _bias(gate_up), _bias([m.down_proj]),
                     self._factor(layer.input_layernorm), self._factor(pre_mlp), _eps(layer.input_layernorm),
-                    _eps(pre_mlp), rope_table=rope_index[layer_type],
+                    _eps(pre_mlp), rope_table=self.rope_index[layer_type],
                     sliding_window=self.window if layer_type == "sliding_attention" else 0, **optional)
         except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; the modules serve
             self.why_not_native = f"the native decoder refused the weights ({e})"
