@@ -41,7 +41,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from pagedserve import _core
-    from pagedserve.model.quantization import dequantize_rows, quantize_rows
+    from pagedserve.model.gguf_format import dequantize_rows, quantize_rows
 
     from pagedserve.model.prepare import QUANTIZED_POOL_SPIN_US
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.model.gguf_linear import GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
-from pagedserve.model.lean_llama import fuse_plain
+from pagedserve.model.gguf_format import GGUFBlocks
+from pagedserve.model.gguf_linear import GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
+from pagedserve.model.linear import DenseMethod, LinearChoice
+from pagedserve.model.linear_method import LinearMethodTable
 from pagedserve.model.loader import default_gguf_path
-from pagedserve.model.quantization import GGUFBlocks
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=1)
 
@@ -24,6 +25,14 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=
 @pytest.fixture(scope="module")
 def gguf():
     return GGUFBlocks.read(default_gguf_path())
+
+
+def gguf_method(gguf, config, max_rows=None):
+    """The gguf method over torch's dense layers, and its decision table (gguf first, then dense)."""
+    dense = DenseMethod(LinearChoice("torch", "test"))
+    method = GGUFFloatMethod(gguf, config, dense) if max_rows is None else GGUFFloatMethod(gguf, config, dense,
+                                                                                          max_rows)
+    return method, LinearMethodTable([method, dense])
 
 
 def test_the_gguf_path_computes_the_float32_model(smollm2_dir):
@@ -49,15 +58,21 @@ def test_a_layer_whose_blocks_are_not_the_weights_stays_dense(gguf, smollm2_dir)
     q = hf.model.layers[0].self_attn.q_proj
     with torch.no_grad():
         q.weight[3, 5] += 1e-3  # no longer the GGUF's value
-    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
+    builder, table = gguf_method(gguf, hf.config)
     attn = hf.model.layers[0].self_attn
-    fused = builder([attn.q_proj, attn.k_proj, attn.v_proj],
-                    [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
-    assert not isinstance(fused, GGUFFloatLinear) and builder.dense_only == 3 and builder.native == 0
-    o = builder([attn.o_proj], ["model.layers.0.self_attn.o_proj"])
+    fused = table([attn.q_proj, attn.k_proj, attn.v_proj],
+                  [f"model.layers.0.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+    assert not isinstance(fused, GGUFFloatLinear) and builder.declined == 3 and builder.native == 0
+    o = table([attn.o_proj], ["model.layers.0.self_attn.o_proj"])
     assert isinstance(o, GGUFFloatLinear) and builder.native == 1
-    head = builder([hf.lm_head], ["lm_head"])  # the Q8_0 output layer
+    head = table([hf.lm_head], ["lm_head"])  # the Q8_0 output layer
     assert isinstance(head, GGUFFloatLinear) and builder.native == 2
+    # the start-up log names, per layer type, the method and why the gguf one declined the fused qkv
+    log = table.summary().splitlines()
+    assert log[0] == ("self_attn.q_proj+self_attn.k_proj+self_attn.v_proj x3: torch (float32 weights, torch's "
+                      "default GEMM; declined: gguf: the GGUF's blocks are not the model's float32 weights)"), log
+    assert log[1] == "self_attn.o_proj x1: gguf (Q4_1 blocks expanded exactly to float32)", log
+    assert log[2].startswith("lm_head x1: gguf (Q8_0 blocks"), log
 
 
 def test_large_calls_and_other_dtypes_take_the_dense_layer(gguf, smollm2_dir):
@@ -67,8 +82,8 @@ def test_large_calls_and_other_dtypes_take_the_dense_layer(gguf, smollm2_dir):
     calls = []
     dense = hf.model.layers[1].mlp.down_proj
     dense.register_forward_hook(lambda m, args, out: calls.append(args[0].shape[0]))
-    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin), max_rows=8)
-    layer = builder([dense], ["model.layers.1.mlp.down_proj"])
+    builder, table = gguf_method(gguf, hf.config, max_rows=8)
+    layer = table([dense], ["model.layers.1.mlp.down_proj"])
     x = torch.randn(20, dense.in_features)
     small = layer(x[:8])
     assert calls == []
@@ -123,8 +138,8 @@ def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_betwee
     from pagedserve.model import gguf_linear, tuner
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
-    builder([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
+    builder, table = gguf_method(gguf, hf.config)
+    table([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
     kernel_calls = []
     real = _core.cpu.reshape_and_cache
 
@@ -185,8 +200,8 @@ def test_the_row_bound_is_cached_only_from_a_quiet_measurement(gguf, smollm2_dir
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
 
     def builder():
-        b = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
-        b([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
+        b, table = gguf_method(gguf, hf.config)
+        table([hf.model.layers[0].mlp.down_proj], ["model.layers.0.mlp.down_proj"])
         return b
 
     probe = Probe()
@@ -210,8 +225,8 @@ def test_the_embedding_on_the_blocks_is_the_models_embedding_bit_for_bit(gguf, s
     from pagedserve.model.gguf_linear import GGUFEmbedding
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    builder = GGUFLinearBuilder(gguf, hf.config, fuse_plain(lambda lin: lin))
-    head = builder([hf.lm_head], ["lm_head"])
+    builder, table = gguf_method(gguf, hf.config)
+    head = table([hf.lm_head], ["lm_head"])
     emb = builder.embedding(hf.model.embed_tokens, head)
     assert isinstance(emb, GGUFEmbedding) and emb.weight_blocks is head.weight_blocks  # tied: one copy
     ids = torch.tensor([[0, 5, 49151], [17, 17, 300]])

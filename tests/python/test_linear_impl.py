@@ -13,6 +13,7 @@ import torch
 from pagedserve import LLM, hardware
 from pagedserve.model import linear, tuner
 from pagedserve.model.linear import CHOOSER_ROWS, OneDNNLinear, choose_linear_impl
+from pagedserve.model.linear_method import LinearMethodTable
 
 
 class QuietProbe(tuner.LoadProbe):
@@ -56,7 +57,7 @@ def test_the_chosen_path_runs_here_and_computes_the_layer(cache):
     assert all(set(times) == set(CHOOSER_ROWS) and min(times.values()) > 0 for times in choice.ms.values())
     x = torch.randn(5, 64)
     want = model(x)
-    linear.swap_linears(model, choice.impl)
+    LinearMethodTable([linear.DenseMethod(choice)]).install(model)
     torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
 
 

@@ -16,7 +16,7 @@ from pagedserve import LLM, SamplingParams, _core
 from pagedserve.errors import KernelArgumentError
 from pagedserve.model.gguf_linear import GGUFFloatLinear
 from pagedserve.model.lean_llama import _LINEARS
-from pagedserve.model.quantization import quantize_rows
+from pagedserve.model.gguf_format import quantize_rows
 from pagedserve.model.runner import check_prompt
 
 from test_lean_llama import make_llama, prompts

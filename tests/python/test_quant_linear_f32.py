@@ -17,7 +17,7 @@ from pagedserve.errors import KernelArgumentError
 cpu = _core.cpu
 
 pytest.importorskip("gguf", reason="gguf-py is not installed")
-from pagedserve.model.quantization import dequantize_rows, quantize_rows  # noqa: E402
+from pagedserve.model.gguf_format import dequantize_rows, quantize_rows  # noqa: E402
 
 
 def weights(qtype, n, k, seed):

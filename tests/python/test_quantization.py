@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.loader import default_gguf_path
 from pagedserve.model.runner import check_prompt, hf_reference_logits
-from pagedserve.model.quantization import (GGUFBlocks, QuantLinear, Quantizer, dequantize_rows, quantize_rows,
-                                           unpermute_rows)
+from pagedserve.model.gguf_format import GGUFBlocks, dequantize_rows, quantize_rows, unpermute_rows
+from pagedserve.model.linear_method import LinearMethodTable
+from pagedserve.model.quantization import QuantizedMethod, QuantLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -28,15 +29,20 @@ def test_the_q4_path_runs_the_ggufs_own_weights_exactly(gguf, smollm2_dir):
     them, dequantise to exactly the float32 weights transformers' GGUF reader
     produced (the converted model the float path serves)."""
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
-    quantizer = Quantizer("q4", hf.config, gguf)
+    quantizer = QuantizedMethod("q4", hf.config, gguf)
     linears = {n: m for n, m in hf.named_modules() if type(m) is torch.nn.Linear}
     assert len(linears) == 30 * 7 + 1
+    table = LinearMethodTable([quantizer])
+    assert table.install(hf) == len(linears)
     for name, lin in linears.items():
-        blocks, qtype = quantizer.blocks(lin, name)
-        assert qtype == ("q8_0" if name == "lm_head" else "q4_1"), name
-        got = QuantLinear(blocks, qtype, lin.in_features, None).dequantize()
-        assert torch.equal(got, lin.weight.detach()), name
+        got = hf.get_submodule(name)
+        assert isinstance(got, QuantLinear) and got.qtype == ("q8_0" if name == "lm_head" else "q4_1"), name
+        assert torch.equal(got.dequantize(), lin.weight.detach()), name
     assert quantizer.native == len(linears) and quantizer.requantized == 0
+    log = table.summary().splitlines()
+    assert "self_attn.q_proj x30: q4 (Q4_1 blocks, the file's own, int8 activations)" in log, log
+    assert "lm_head x1: q4 (Q8_0 blocks, the file's own, int8 activations)" in log, log
+    assert len(log) == 8, log  # one line per layer type
 
 
 def test_the_kernels_dequantisation_is_gguf_pys(gguf):

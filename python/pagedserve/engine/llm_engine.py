@@ -121,6 +121,7 @@ class LLMEngine:
                                  native_step=args.native_step)
         self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
         self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
+        self.linear_layers = prepared.linear_layers
         self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads  # GPT-2: MHA
@@ -160,6 +161,7 @@ class LLMEngine:
                     f"; CPU {caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}" if caps else "")
         logger.info("decoder forward: %s", self.model_impl)
         logger.info("linear layers: %s", self.linear_path)
+        logger.info("linear layers by type:\n  %s", self.linear_layers.replace("\n", "\n  "))
         logger.info("memory: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.weight_bytes / 2**20, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
                     self.max_model_len)

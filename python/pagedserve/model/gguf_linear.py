@@ -29,12 +29,11 @@ import torch
 
 from .. import _core
 from . import tuner
-from .quantization import GGUFBlocks
+from .gguf_format import NATIVE_QTYPES, GGUFBlocks
+from .linear_method import LinearMethod
 
 logger = logging.getLogger(__name__)
 
-# GGUF block types whose blocks the kernel reads (QuantizedWeight)
-NATIVE_QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # Row counts the start-up measurement times (decode batch sizes, and one prefill-like size).
 TUNE_ROWS = (1, 8, 32, 128)
 CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
@@ -47,7 +46,7 @@ FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the bloc
 
 @dataclass
 class GGUFTuning:
-    """What GGUFLinearBuilder.tune decided from.
+    """What GGUFFloatMethod.tune decided from.
 
     Attributes:
         ms: {"gguf": {rows: ms}, "dense": {rows: ms}}: one pass over the layers
@@ -69,7 +68,7 @@ class GGUFFloatLinear(torch.nn.Module):
         weight: _core.cpu.QuantizedWeight of the blocks, [out_features, in_features].
         bias: [out_features] float32, or None.
         dense: a module computing the same layer on dense float32 weights, or
-            None once released (GGUFLinearBuilder.release_dense): the blocks then
+            None once released (GGUFFloatMethod.release_dense): the blocks then
             serve every call.
         max_rows: the largest call (rows) the blocks serve; 0: never.
     Raises (forward): TypeError for a non-float32 input without a dense layer.
@@ -137,7 +136,7 @@ class GGUFEmbedding(torch.nn.Module):
 
 def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks | None) -> str | None:
     """Why the gguf path cannot serve this model, or None if it can (some of
-    its layers may still stay dense: GGUFLinearBuilder checks each)."""
+    its layers may still stay dense: GGUFFloatMethod checks each)."""
     if torch.device(device).type != "cpu":
         return f"it runs on the CPU only (device {device})"
     if dtype != torch.float32:
@@ -165,66 +164,73 @@ def step_kernel_between(num_threads: int, tokens: int = 32, num_kv_heads: int = 
     return lambda: _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slots, num_threads)
 
 
-class GGUFLinearBuilder:
-    """A FuseLinear (pagedserve.model.lean_llama) that builds GGUFFloatLinear
-    layers: for each (fused) layer, the dense layer from ``dense_fuse`` and, when
-    every part is stored in the GGUF in one of NATIVE_QTYPES (one type) and
-    those blocks de-quantise to the model's float32 weights bit for bit, the
-    blocks. swap() puts it on a Hugging Face model's own linear layers.
+class GGUFFloatMethod(LinearMethod):
+    """The linear method of the ``gguf`` path (a LinearMethod): GGUFFloatLinear
+    layers on the GGUF file's own blocks, for each (fused) layer whose parts
+    the file stores in one of NATIVE_QTYPES (one type) and whose blocks
+    de-quantise to the model's float32 weights bit for bit; it declines every
+    other layer (the table's next method, the dense one, builds it).
 
     Args:
         gguf: the checkpoint's GGUF blocks.
         config: the transformers config (heads, for the q/k row order).
-        dense_fuse: the FuseLinear of the dense path (large calls, and layers without blocks).
+        dense: the dense method: each layer's module for calls above max_rows.
         max_rows: GGUFFloatLinear.max_rows of the layers built (tune() measures it).
     Attributes:
         native: layers (before fusion) that run on the GGUF's blocks.
-        dense_only: layers that stay dense (no such blocks, or not the same values).
+        declined: layers it declined (no such blocks, or not the same values).
         layers: the GGUFFloatLinear modules built.
     """
 
-    def __init__(self, gguf: GGUFBlocks, config, dense_fuse, max_rows: int = FORCED_MAX_ROWS) -> None:
-        self.gguf, self.dense_fuse, self.max_rows = gguf, dense_fuse, max_rows
+    name = "gguf"
+
+    def __init__(self, gguf: GGUFBlocks, config, dense: LinearMethod, max_rows: int = FORCED_MAX_ROWS) -> None:
+        self.gguf, self.dense, self.max_rows = gguf, dense, max_rows
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
-        self.native, self.dense_only = 0, 0
+        self.native, self.declined = 0, 0
         self.layers: list[GGUFFloatLinear] = []
 
-    def __call__(self, linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
-        dense = self.dense_fuse(linears, names)
+    def _why_not(self, linears: list[torch.nn.Linear], names: list[str], parts) -> str | None:
+        for lin, name, part in zip(linears, names, parts):
+            if part is None:
+                gname = self.gguf.gguf_name(name)
+                entry = self.gguf.tensors.get(gname) if gname else None
+                if entry is None:
+                    return f"the file holds no tensor for {name}"
+                return f"{gname} is {entry[1].upper()}, not a block type the kernel reads"
+        types = sorted({q for _, q in parts})
+        if len(types) != 1:
+            return f"its parts are of different block types ({', '.join(t.upper() for t in types)})"
+        return None
+
+    @torch.inference_mode()
+    def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
+        """See LinearMethod.build: a GGUFFloatLinear over the parts' blocks
+        concatenated by rows, its dense layer from ``dense``; or (None, why)."""
         parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, NATIVE_QTYPES)
                  for lin, name in zip(linears, names)]
-        if any(p is None for p in parts) or len({q for _, q in parts}) != 1:
-            self.dense_only += len(linears)
-            return dense
-        n, k = sum(lin.out_features for lin in linears), linears[0].in_features
-        weight = _core.cpu.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
-        values = torch.empty((n, k), dtype=torch.float32)
-        weight.dequantize(values, torch.get_num_threads())
-        if not torch.equal(values, torch.cat([lin.weight.detach() for lin in linears]).float()):
-            self.dense_only += len(linears)
-            logger.info("%s: the GGUF's blocks are not the model's float32 weights; the layer stays dense",
-                        ", ".join(names))
-            return dense
+        why = self._why_not(linears, names, parts)
+        if why is None:
+            n, k = sum(lin.out_features for lin in linears), linears[0].in_features
+            weight = _core.cpu.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
+            values = torch.empty((n, k), dtype=torch.float32)
+            weight.dequantize(values, torch.get_num_threads())
+            if not torch.equal(values, torch.cat([lin.weight.detach() for lin in linears]).float()):
+                why = "the GGUF's blocks are not the model's float32 weights"
+        if why is not None:
+            self.declined += len(linears)
+            return None, why
         bias = None
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                               for lin in linears])
+        dense, _ = self.dense.build(linears, names)
         layer = GGUFFloatLinear(weight, bias, dense, self.max_rows)
         self.native += len(linears)
         self.layers.append(layer)
-        return layer
-
-    def swap(self, model: torch.nn.Module) -> None:
-        """Replaces each plain nn.Linear of a Hugging Face model's decoder layers
-        (``model.layers.{i}. ...``) and its output layer by what __call__ builds
-        for it, in place (the architectures without a lean forward)."""
-        for qual, module in list(model.named_modules()):
-            for child_name, child in list(module.named_children()):
-                name = f"{qual}.{child_name}" if qual else child_name
-                if type(child) is torch.nn.Linear and self.gguf.gguf_name(name) is not None:
-                    setattr(module, child_name, self([child], [name]))
+        return layer, f"{parts[0][1].upper()} blocks expanded exactly to float32"
 
     @torch.inference_mode()
     def tune(self, rows=TUNE_ROWS, rounds: int = 3, max_rounds: int = 6, use_cache: bool = True,

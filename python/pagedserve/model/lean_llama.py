@@ -33,7 +33,7 @@ from .linear import count_shapes
 STATIC_ROPE_TYPES = ("default", "linear", "llama3")
 
 # Builds the module computing x @ cat(W_i).T (+ cat(b_i)) from the listed layers (same in_features), as the
-# engine runs linear layers (its GEMM path or quantised weights). names: the modules' qualified names.
+# engine runs linear layers: a LinearMethodTable (pagedserve.model.linear_method). names: the qualified names.
 FuseLinear = Callable[[list[torch.nn.Linear], list[str]], torch.nn.Module]
 
 
@@ -249,24 +249,3 @@ def _build_native(lean: LeanLlamaDecoder, embed):
                          layer.input_layernorm.float().contiguous(), layer.post_attention_layernorm.float().contiguous(),
                          layer.eps, layer.eps_post)
     return native
-
-
-def fuse_plain(make: Callable[[torch.nn.Linear], torch.nn.Module]) -> FuseLinear:
-    """A FuseLinear for float weights: concatenates the layers' weights (and
-    biases; a missing bias counts as zeros when another layer has one) into one
-    nn.Linear of the same dtype and hands it to ``make`` (the GEMM path)."""
-
-    def fuse(linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
-        if len(linears) == 1:
-            return make(linears[0])
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        out = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(lin.bias is not None for lin in linears),
-                              dtype=weight.dtype, device=weight.device)
-        with torch.no_grad():
-            out.weight.copy_(weight)
-            if out.bias is not None:
-                out.bias.copy_(torch.cat([lin.bias.detach() if lin.bias is not None else
-                                          torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears]))
-        return make(out)
-
-    return fuse

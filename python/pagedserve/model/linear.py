@@ -30,6 +30,7 @@ import torch
 
 from ..hardware import onednn_linear_unsupported
 from . import tuner
+from .linear_method import LinearMethod
 
 logger = logging.getLogger(__name__)
 
@@ -99,21 +100,6 @@ def why_unavailable(impl: str, dtype: torch.dtype, device: torch.device) -> str 
             return "oneDNN linear is CPU-only"
         return onednn_linear_unsupported(dtype)
     return None
-
-
-def swap_linears(model: torch.nn.Module, impl: str) -> int:
-    """Replaces every plain nn.Linear of ``model`` (not subclasses: their forward
-    may do more than x @ W.T + b) with make_linear(it, impl), in place. Returns
-    how many were replaced."""
-    if impl == "torch":
-        return 0
-    n = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                setattr(parent, name, make_linear(child, impl))
-                n += 1
-    return n
 
 
 @dataclass
@@ -262,10 +248,42 @@ def choose_linear_impl(model: torch.nn.Module, dtype: torch.dtype, device: torch
 
 def describe(choice: LinearChoice) -> str:
     """One line naming the path and why, for logs and benchmark tables."""
-    names = {"torch": "torch's default GEMM", "onednn": "oneDNN with pre-packed weights"}
-    return f"{names.get(choice.impl, choice.impl)} ({choice.reason})"
+    return f"{_NAMES.get(choice.impl, choice.impl)} ({choice.reason})"
+
+
+class DenseMethod(LinearMethod):
+    """The linear method of the float weights (a LinearMethod): the parts'
+    weights (and biases; a missing bias counts as zeros when another part has
+    one) concatenated into one ``nn.Linear`` of the model's dtype, on the GEMM
+    path ``choice.impl`` (make_linear). Takes every layer.
+
+    Args:
+        choice: the chooser's decision (choose_linear_impl).
+    """
+
+    def __init__(self, choice: "LinearChoice") -> None:
+        self.choice, self.name = choice, choice.impl
+
+    def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module, str]:
+        """See LinearMethod.build; never declines."""
+        if len(linears) == 1:
+            fused = linears[0]
+        else:
+            weight = torch.cat([lin.weight.detach() for lin in linears])
+            fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(lin.bias is not None for lin in linears),
+                                    dtype=weight.dtype, device=weight.device)
+            with torch.no_grad():
+                fused.weight.copy_(weight)
+                if fused.bias is not None:
+                    fused.bias.copy_(torch.cat([lin.bias.detach() if lin.bias is not None else
+                                                torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears]))
+        dtype = str(fused.weight.dtype).removeprefix("torch.")
+        return make_linear(fused, self.name), f"{dtype} weights, {_NAMES.get(self.name, self.name)}"
+
+
+_NAMES = {"torch": "torch's default GEMM", "onednn": "oneDNN with pre-packed weights"}
 
 
 __all__ = ["LINEAR_IMPLS", "CHOOSER_ROWS", "OneDNNLinear", "LinearChoice", "choose_linear_impl", "describe",
-           "count_shapes", "linear_shapes", "make_linear", "path_cases", "padded_rows", "swap_linears",
+           "count_shapes", "linear_shapes", "make_linear", "path_cases", "padded_rows", "DenseMethod",
            "why_unavailable", "cache_path"]

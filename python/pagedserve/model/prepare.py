@@ -1,8 +1,9 @@
 """Turns a loaded transformers model into what the engine runs: the linear
-layers on their GEMM path (measured, ``--linear-impl``) or on quantised
-weights (``--quantization``), and the decoder on PagedServe's lean forward
-where the architecture has one (``--model-impl``). Runs after the start-up
-check's reference logits were taken from the model as loaded."""
+layers built by one decision table of linear methods (linear_method.py:
+the GGUF's blocks, the float weights on a measured GEMM path, or quantised
+weights), and the decoder on PagedServe's lean forward or native step where
+the architecture has one (``--model-impl``). Runs after the start-up check's
+reference logits were taken from the model as loaded."""
 
 from __future__ import annotations
 
@@ -13,11 +14,13 @@ from pathlib import Path
 import torch
 
 from .. import _core
-from .gguf_linear import GGUFEmbedding, GGUFFloatLinear, GGUFLinearBuilder, why_no_gguf_path
-from .lean_llama import LeanLlamaDecoder, fuse_plain, lean_linear_shapes, why_not_lean
-from .linear import choose_linear_impl, describe, make_linear, swap_linears
+from .gguf_format import GGUFBlocks
+from .gguf_linear import GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
+from .lean_llama import LeanLlamaDecoder, lean_linear_shapes, why_not_lean
+from .linear import DenseMethod, LinearChoice, choose_linear_impl, describe
+from .linear_method import LinearMethodTable
 from .native_step import NativeStepDecoder, why_no_native_step
-from .quantization import DENSE_MIN_ROWS, GGUFBlocks, QuantLinear, Quantizer, quantize_model
+from .quantization import DENSE_MIN_ROWS, QuantizedMethod, QuantLinear
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +39,8 @@ class PreparedModel:
         linear_impl: the GEMM path ("torch", "onednn", "gguf") or the quantisation ("q4", "int8").
         linear_path: one line naming the linear layers' path and why.
         weight_bytes: bytes of the weights the engine computes with.
+        linear_layers: per layer type, the method that runs it and why
+            (LinearMethodTable.summary: one line each).
     """
 
     lean: LeanLlamaDecoder | None
@@ -43,6 +48,7 @@ class PreparedModel:
     linear_impl: str
     linear_path: str
     weight_bytes: int
+    linear_layers: str = ""
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -91,40 +97,20 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         why_lean = why_not_lean(config, device)
         if why_lean is not None and model_impl == "pagedserve":
             raise ValueError(f"--model-impl pagedserve: no lean forward for this model: {why_lean}")
-    if quantization != "none":
-        if device.type != "cpu":
-            raise ValueError(f"--quantization {quantization} runs on the CPU only (device {device})")
-        quantizer = Quantizer(quantization, config, GGUFBlocks.read(gguf_path) if gguf_path else None)
-        fuse, impl = quantizer.linear, quantization
-    else:
-        # measured on the shapes the engine will run: the lean forward's fused layers where it applies
-        choice = choose_linear_impl(model, dtype, device, "auto" if linear_impl == "gguf" else linear_impl,
-                                    shapes=lean_linear_shapes(model) if why_lean is None else None)
-        impl = choice.impl
-        fuse = fuse_plain(lambda lin: make_linear(lin, impl))
-        if linear_impl in ("auto", "gguf"):
-            gguf = GGUFBlocks.read(gguf_path) if gguf_path and torch.device(device).type == "cpu" else None
-            why_gguf = why_no_gguf_path(dtype, device, gguf)
-            if why_gguf is not None and linear_impl == "gguf":
-                raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
-            if why_gguf is None:
-                builder = fuse = GGUFLinearBuilder(gguf, config, fuse)
+    table, choice = linear_methods(model, dtype, device, linear_impl, quantization, gguf_path,
+                                   lean_shapes=why_lean is None)
+    quantizer, builder = table.method(quantization), table.method("gguf")
+    impl = table.methods[0].name
     lean = None
     if why_lean is None:
-        lean = LeanLlamaDecoder(model, fuse, max_model_len)
-        model.lm_head = fuse([model.lm_head], ["lm_head"])
+        lean = LeanLlamaDecoder(model, table, max_model_len)
+        model.lm_head = table([model.lm_head], ["lm_head"])
         model.model.layers = torch.nn.ModuleList()  # the lean layers hold what they need; the rest is freed
         model.pagedserve_decoder = lean
         why = "pagedserve (lean Llama forward; " + (
             "asked for)" if model_impl == "pagedserve" else "auto: a Llama-architecture model)")
     else:
-        if quantization != "none":
-            quantize_model(model, quantizer)
-        elif builder is not None:  # the Hugging Face modules' own linear layers on the blocks
-            builder.swap(model)
-            swap_linears(model, impl)  # any layer the file holds no blocks for
-        else:
-            swap_linears(model, impl)
+        table.install(model)  # the Hugging Face modules' own linear layers
         why = f"transformers ({why_lean})"
     # our kernels make all of a quantised (or gguf-path) decode step's GEMMs: their thread pool polls between
     # back-to-back calls instead of sleeping; with torch's GEMMs in between, polling would take the cores from
@@ -137,10 +123,10 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         else:
             gguf_ms = builder.tune()
         if builder.max_rows > 0 and builder.native:
-            impl = "gguf"
-            if builder.serves_all and builder.dense_only == 0:
+            if builder.serves_all and builder.declined == 0:
                 released = _serve_from_blocks(model, lean, builder)
         else:
+            impl = choice.impl
             _core.cpu.set_thread_pool_spin_us(0)
             if lean is not None:  # the blocks serve no call: neither does the native step built on them
                 lean.native, lean.why_not_native = None, "the gguf path measured slower at every row count"
@@ -165,16 +151,54 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         rows = "calls of every size" if builder.serves_all else f"calls of up to {builder.max_rows} rows"
         larger = (f"no dense copy kept ({released})" if released else f"larger calls: {describe(choice)}")
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
-                f"{rows} ({builder.dense_only} layers dense{measured}); {larger}")
+                f"{rows} ({builder.declined} layers dense{measured}); {larger}")
     else:
         path = describe(choice)
         if builder is not None:
             path += (" (no layer's GGUF blocks are the model's float32 weights)" if gguf_ms is None else
                      f" (the gguf path measured slower here, {gguf_ms.source}: {gguf_ms.ms})")
-    return PreparedModel(lean, why, impl, path, weight_bytes(model))
+    notes = {}
+    if builder is not None and builder.layers:
+        notes["gguf"] = ("calls of every size" if builder.serves_all else
+                         f"calls of up to {builder.max_rows} rows, larger ones dense" if builder.max_rows > 0 else
+                         "measured slower at every row count: the dense layer serves every call")
+    return PreparedModel(lean, why, impl, path, weight_bytes(model), table.summary(notes))
 
 
-def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, builder: GGUFLinearBuilder) -> str:
+def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, linear_impl: str,
+                   quantization: str, gguf_path: Path | None, lean_shapes: bool) -> tuple[LinearMethodTable,
+                                                                                          LinearChoice | None]:
+    """The decision table of ``model``'s linear layers (not yet applied),
+    with the dense GEMM path's choice (None under --quantization):
+
+      --quantization q4|int8       [QuantizedMethod]            (lossy, opt-in)
+      --linear-impl auto|gguf,     [GGUFFloatMethod, DenseMethod] (exact: the
+        float32 on the CPU, a GGUF                               blocks where they are the weights)
+      otherwise                    [DenseMethod]                (the chooser's GEMM path)
+
+    The dense path is measured on the shapes the engine runs (the lean
+    forward's fused layers where ``lean_shapes``). Raises ValueError: a
+    quantisation off the CPU, a named GEMM path that cannot run here."""
+    config = model.config
+    if quantization != "none":
+        if device.type != "cpu":
+            raise ValueError(f"--quantization {quantization} runs on the CPU only (device {device})")
+        return LinearMethodTable([QuantizedMethod(quantization, config,
+                                                  GGUFBlocks.read(gguf_path) if gguf_path else None)]), None
+    choice = choose_linear_impl(model, dtype, device, "auto" if linear_impl == "gguf" else linear_impl,
+                                shapes=lean_linear_shapes(model) if lean_shapes else None)
+    dense = DenseMethod(choice)
+    if linear_impl in ("auto", "gguf"):
+        gguf = GGUFBlocks.read(gguf_path) if gguf_path and torch.device(device).type == "cpu" else None
+        why_gguf = why_no_gguf_path(dtype, device, gguf)
+        if why_gguf is not None and linear_impl == "gguf":
+            raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
+        if why_gguf is None:
+            return LinearMethodTable([GGUFFloatMethod(gguf, config, dense), dense]), choice
+    return LinearMethodTable([dense]), choice
+
+
+def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, builder: GGUFFloatMethod) -> str:
     """Where the blocks serve every call: drops the dense float32 copies of the
     linear layers, moves the embedding onto the GGUF's blocks when they hold it
     exactly (shared with a tied output layer), and rebuilds the native step on

@@ -1,0 +1,121 @@
+"""What PagedServe knows of the GGUF format (llama.cpp's model file), in one
+place: the file's tensor index and raw blocks (GGUFBlocks, read by gguf-py),
+the mapping from a transformers layer name to the GGUF tensor that stores it,
+llama.cpp's rotary row order of the q/k projections, the block types our
+kernels read (NATIVE_QTYPES), and gguf-py's quantiser / de-quantiser (the
+reference our C++ kernels are held to). The block layouts themselves are the
+C++ kernels' (csrc/backends/cpu/gguf_types.cc); converting a file to a
+transformers model is transformers' GGUF reader (loader.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# GGUF block types whose blocks the C++ kernel (QuantizedWeight) reads
+NATIVE_QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+
+# GGUF tensor names of a Llama layer's linear layers (llama.cpp's convention)
+_GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_types():
+    from gguf import GGMLQuantizationType
+
+    return {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
+
+
+def quantize_rows(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """weight [N, K] float (K a multiple of 32) -> GGUF blocks [N, K/32 * block bytes]
+    uint8 of ``qtype`` ("q4_1" or "q8_0"), quantised by gguf-py (llama.cpp's
+    rounding). Raises ValueError if K is not a multiple of 32."""
+    from gguf.quants import quantize
+
+    if weight.shape[-1] % 32:
+        raise ValueError(f"{qtype} needs in_features to be a multiple of 32, got {weight.shape[-1]}")
+    return torch.from_numpy(np.ascontiguousarray(quantize(weight.detach().float().numpy(), _gguf_types()[qtype])))
+
+
+def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
+    """GGUF blocks [N, bytes] uint8 -> float32 [N, K], by gguf-py (the reference
+    the tests hold the C++ kernel's dequantize to)."""
+    from gguf.quants import dequantize
+
+    return torch.from_numpy(np.ascontiguousarray(dequantize(blocks.numpy(), _gguf_types()[qtype])))
+
+
+def unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp stores the q and k projections' rows of each head in
+    interleaved rotary order; Hugging Face Llama wants them half-split. Undoes
+    that on whole rows (blocks run along in_features, so rows move intact):
+    [N, bytes] -> [N, bytes], N = num_heads * head_dim."""
+    n = blocks.shape[0]
+    return blocks.reshape(num_heads, n // num_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
+
+
+@dataclass
+class GGUFBlocks:
+    """Raw blocks of a GGUF file's tensors.
+
+    Attributes:
+        path: the file.
+        tensors: GGUF name -> (blocks [N, bytes] uint8 as stored, qtype name
+            such as "q4_1", "q8_0", "q6_k", "f32").
+        architecture: the file's ``general.architecture`` ("llama", "gemma3", ...).
+    """
+
+    path: Path
+    tensors: dict = field(default_factory=dict)
+    architecture: str = ""
+
+    @classmethod
+    def read(cls, path: Path) -> "GGUFBlocks":
+        """Reads the tensor index of ``path`` (memory-mapped by gguf-py; the blocks
+        are copied when used)."""
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        arch = reader.fields.get("general.architecture")
+        architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+        return cls(Path(path), {t.name: (t.data, t.tensor_type.name.lower()) for t in reader.tensors}, architecture)
+
+    def gguf_name(self, name: str) -> str | None:
+        """The GGUF tensor name of a decoder linear layer's qualified transformers
+        name (``model.layers.{i}.self_attn.q_proj``, ``lm_head``: the Llama,
+        Gemma and Qwen families name them alike), or None."""
+        if name == "lm_head":
+            return "output.weight" if "output.weight" in self.tensors else "token_embd.weight"
+        parts = name.split(".")  # model.layers.{i}.{self_attn|mlp}.{proj}
+        if len(parts) == 5 and parts[:2] == ["model", "layers"]:
+            sub = _GGUF_LAYER.get(".".join(parts[3:]))
+            return f"blk.{parts[2]}.{sub}.weight" if sub else None
+        return None
+
+    def layer_blocks(self, name: str, out_features: int, num_heads: int, num_kv_heads: int,
+                     wanted: tuple[str, ...]) -> tuple[torch.Tensor, str] | None:
+        """(blocks [out_features, bytes] uint8 in Hugging Face's row order, qtype)
+        of the linear layer ``name`` as this file stores it, if it stores it in
+        one of the ``wanted`` block types ("q4_1", "q8_0", ...) with
+        out_features rows; else None. In a ``llama`` file the q and k
+        projections' rows are moved from llama.cpp's rotary order
+        (unpermute_rows; its converter permutes that architecture's only)."""
+        gname = self.gguf_name(name)
+        entry = self.tensors.get(gname) if gname else None
+        if entry is None or entry[1] not in wanted:
+            return None
+        raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
+        if raw.shape[0] != out_features:
+            return None
+        if self.architecture not in ("", "llama"):
+            return raw, entry[1]
+        if gname.endswith("attn_q.weight"):
+            raw = unpermute_rows(raw, num_heads)
+        elif gname.endswith("attn_k.weight"):
+            raw = unpermute_rows(raw, num_kv_heads)
+        return raw, entry[1]

@@ -1,0 +1,137 @@
+"""The one seam through which every linear layer of a served model is built.
+
+A ``LinearMethod`` builds the module that computes one (possibly fused) linear
+layer, x @ cat(W_i).T (+ cat(b_i)), from the model's ``nn.Linear`` parts, or
+declines the layer and says why (the split of vLLM's ``LinearMethodBase``:
+the method creates the layer's weights and its ``apply``; here the module it
+returns is the apply). The methods:
+
+  DenseMethod      (linear.py)        the float weights on a measured GEMM path
+                                      (torch's default or oneDNN pre-packed)
+  GGUFFloatMethod  (gguf_linear.py)   the GGUF's own blocks expanded exactly to
+                                      float32 in registers (declines a layer
+                                      whose blocks are not its float32 weights)
+  QuantizedMethod  (quantization.py)  Q4_1 / Q8_0 blocks, int8 activations
+                                      (--quantization q4|int8: lossy, opt-in)
+
+A ``LinearMethodTable`` is the decision table: its methods in order of
+preference; each layer takes the first that does not decline it. The lean
+forward calls the table for its fused layers, and ``install`` puts it on a
+Hugging Face model's own ``nn.Linear`` modules: there is no other route.
+The table records, per layer type, which method built it and why the
+preferred ones declined; ``summary()`` is the start-up log's line.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+
+import torch
+
+_LAYER_INDEX = re.compile(r"^model\.layers\.\d+\.")
+
+
+class LinearMethod(ABC):
+    """One way to compute linear layers.
+
+    Attributes:
+        name: the method's name in logs and tables ("torch", "onednn", "gguf",
+            "q4", "int8").
+    """
+
+    name: str = ""
+
+    @abstractmethod
+    def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
+        """Builds the module computing the listed layers side by side.
+
+        Args:
+            linears: the parts, same in_features; their weights are [out_i,
+                in_features] in the model's dtype, biases [out_i] or None
+                (a missing bias counts as zeros when another part has one).
+            names: their qualified names in the transformers model
+                (``model.layers.3.self_attn.q_proj``, ``lm_head``).
+        Returns:
+            (module, what): module maps [..., in_features] -> [..., sum out_i]
+            and ``what`` says what it runs on (e.g. "Q4_1 blocks"); or (None,
+            why) when this method does not take the layer.
+        Raises:
+            ValueError: the layer cannot be built on this method at all (a
+                start-up error, e.g. in_features not a multiple of 32 for
+                --quantization).
+        """
+
+
+def layer_type(names: list[str]) -> str:
+    """The layer type of a (fused) layer's parts, for the log: their names
+    without the layer index, joined by "+" (``self_attn.q_proj+self_attn.k_proj+
+    self_attn.v_proj``, ``lm_head``)."""
+    return "+".join(_LAYER_INDEX.sub("", n) for n in names)
+
+
+class LinearMethodTable:
+    """The decision table: ``methods`` in order of preference; a layer is built
+    by the first that does not decline it. Callable as the lean forward's
+    FuseLinear (linears, names) -> module.
+
+    Args:
+        methods: at least one; the last should take every layer (else
+            building a layer raises ValueError naming each method's reason).
+    Attributes:
+        decisions: {(layer type, method name, what it runs on): [parts
+            built, the reasons the preferred methods declined the first]}.
+    """
+
+    def __init__(self, methods: list[LinearMethod]) -> None:
+        if not methods:
+            raise ValueError("a LinearMethodTable needs at least one method")
+        self.methods = list(methods)
+        self.decisions: dict[str, list] = {}
+
+    def method(self, name: str) -> LinearMethod | None:
+        """The table's method of that name, or None."""
+        return next((m for m in self.methods if m.name == name), None)
+
+    def __call__(self, linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
+        declined = []
+        for method in self.methods:
+            module, what = method.build(linears, names)
+            if module is None:
+                declined.append(f"{method.name}: {what}")
+                continue
+            # one entry per (layer type, method, what it runs on): a layer type split over block types gets one each
+            entry = self.decisions.setdefault((layer_type(names), method.name, what), [0, declined])
+            entry[0] += len(linears)
+            return module
+        raise ValueError(f"no linear method takes {', '.join(names)}: {'; '.join(declined)}")
+
+    def install(self, model: torch.nn.Module) -> int:
+        """Replaces every plain ``nn.Linear`` of a transformers model (not
+        subclasses: their forward may do more than x @ W.T + b) by what the
+        table builds for it alone, in place. Returns how many were replaced."""
+        n = 0
+        for qual, module in list(model.named_modules()):
+            for child_name, child in list(module.named_children()):
+                if type(child) is torch.nn.Linear:
+                    name = f"{qual}.{child_name}" if qual else child_name
+                    setattr(module, child_name, self([child], [name]))
+                    n += 1
+        return n
+
+    def summary(self, notes: dict[str, str] | None = None) -> str:
+        """One line per layer type for the start-up log: which method runs it,
+        on what, how many parts, and why the preferred methods declined.
+        ``notes``: {method name: what to add to its lines} (e.g. the row bound
+        a measurement set after the layers were built)."""
+        lines, first = [], {}
+        for kind, _, _ in self.decisions:
+            first.setdefault(kind, len(first))
+        for (kind, name, what), (n, declined) in sorted(self.decisions.items(), key=lambda e: first[e[0][0]]):
+            note = (notes or {}).get(name)
+            why = (f"; {note}" if note else "") + (f"; declined: {'; '.join(declined)}" if declined else "")
+            lines.append(f"{kind} x{n}: {name} ({what}{why})")
+        return "\n".join(lines)
+
+
+__all__ = ["LinearMethod", "LinearMethodTable", "layer_type"]
