@@ -8,6 +8,7 @@
 // Built with -ffp-contract=off: the references round d * q and + m separately.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -43,7 +44,9 @@ std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& 
     switch (q) {
       case QType::kQ4_0:
       case QType::kQ5_0: put_half(b, half(byte(rng) & 1)); break;
-      case QType::kQ5_1: put_half(b, half(false)); put_half(b + 2, half(true)); break;
+      case QType::kQ5_1:
+      case QType::kQ4_1: put_half(b, half(false)); put_half(b + 2, half(true)); break;
+      case QType::kQ8_0: put_half(b, half(byte(rng) & 1)); break;
       case QType::kQ4_K:
       case QType::kQ5_K: put_half(b, half(false)); put_half(b + 2, half(false)); break;
       case QType::kQ6_K: put_half(b + 208, half(false)); break;
@@ -190,15 +193,16 @@ TEST(GGUFTypes, Q6_KBlocksDecodeAsDefined) {
   }
 }
 
-TEST(GGUFTypes, BadShapesAndTheIntegerPathRaise) {
+TEST(GGUFTypes, BadShapesRaise) {
   std::mt19937 rng(3);
   std::vector<uint8_t> raw = random_blocks(QType::kQ4_K, 2, 256, rng);
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 128), KernelArgumentError);
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q5_k", 2, 256), KernelArgumentError);
   QuantizedWeight w(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 256);
   EXPECT_EQ(w.nbytes(), 8 * kU4FTileBytes);  // one row group of 16 rows, 256 / 32 = 8 u4f tiles
-  std::vector<float> x(256, 1.f), out(2);
-  EXPECT_THROW(w.linear(arg(x, {1, 256}, DType::kFloat32, "x"), arg(out, {1, 2}, DType::kFloat32, "out"), nullptr, 1),
+  EXPECT_TRUE(w.integer_kernels());  // every GGUF type runs with int8 activations too
+  std::vector<float> x(256, 1.f), out(3);
+  EXPECT_THROW(w.linear(arg(x, {1, 256}, DType::kFloat32, "x"), arg(out, {1, 3}, DType::kFloat32, "out"), nullptr, 1),
                KernelArgumentError);
 }
 
@@ -284,6 +288,79 @@ TEST_P(GGUFTypesVariant, LinearF32MatchesADoubleReferenceAndIsBatchInvariant) {
       for (int threads : {1, 2}) {
         const std::vector<float> part = run(sb[0], sb[1], threads);
         ASSERT_EQ(std::memcmp(part.data(), all.data() + sb[0] * n, part.size() * 4), 0)
+            << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
+      }
+    }
+  }
+}
+
+// linear (int8 activations) on every type: the activations quantised as the
+// kernels do (per row and 32-group, d = amax / 127, q = nearest-even(x * (1 /
+// d)) clamped to +-127), then sum over blocks of xd * sum(w * xq) with w the
+// de-quantised weights, in double: the integer math's exact value (w = d q +
+// m per element, so d xd isum + m xs per block). Within float32 rounding of
+// the per-block terms (d q and m may cancel: 1e-5 of sum |w x|); a row's bits
+// the same in any slice of the batch and on 1 or 2 threads; the scalar
+// variant's result to float32 rounding.
+TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
+  ActiveVariant guard;
+  std::mt19937 rng(29);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const QType all_types[] = {QType::kQ4_0, QType::kQ4_1, QType::kQ5_0, QType::kQ5_1, QType::kQ8_0,
+                             QType::kQ4_K, QType::kQ5_K, QType::kQ6_K};
+  for (QType q : all_types) {
+    const int64_t n = 83, k = 512, m = 11;  // a partial last row group; passes of 4, 4 and 3 rows
+    std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    const QuantizedWeight w(raw.data(), q, n, k);
+    ASSERT_TRUE(w.integer_kernels()) << qtype_name(q);
+    const std::vector<float> wd = dequantized(w);
+    std::vector<float> x(m * k), bias(n);
+    for (auto& v : x) v = nd(rng);
+    for (int64_t e = 0; e < m * k; e += 37) x[e] *= 50.f;  // outliers: groups of very different scales
+    for (auto& v : bias) v = nd(rng);
+    auto b = arg(bias, {n}, DType::kFloat32, "bias");
+    const auto run = [&](int64_t r0, int64_t rows, int threads) {
+      std::vector<float> xs(x.begin() + r0 * k, x.begin() + (r0 + rows) * k), o(rows * n, NAN);
+      w.linear(arg(xs, {rows, k}, DType::kFloat32, "x"), arg(o, {rows, n}, DType::kFloat32, "out"), &b, threads);
+      return o;
+    };
+    set_active_quant_isa("scalar");
+    const std::vector<float> scalar = run(0, m, 1);
+    set_active_quant_isa(GetParam());
+    const std::vector<float> got = run(0, m, 2);
+    std::vector<float> xr = x;  // x as the kernel sees it: xd * xq
+    for (int64_t i = 0; i < m; ++i) {
+      for (int64_t bk = 0; bk < k / 32; ++bk) {  // quantise group bk of row i as the kernels do
+        float amax = 0.f;
+        for (int e = 0; e < 32; ++e) amax = std::max(amax, std::fabs(xr[i * k + bk * 32 + e]));
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        for (int e = 0; e < 32; ++e) {
+          float& v = xr[i * k + bk * 32 + e];
+          v = d * std::nearbyint(std::min(127.f, std::max(-127.f, v * id)));
+        }
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        double sum = bias[j], scale = std::fabs(bias[j]);
+        for (int64_t bk = 0; bk < k / 32; ++bk) {
+          double blk = 0, blk_abs = 0;
+          for (int64_t e = bk * 32; e < bk * 32 + 32; ++e) {
+            const double t = static_cast<double>(xr[i * k + e]) * wd[j * k + e];
+            blk += t;
+            blk_abs += std::fabs(t);
+          }
+          sum += blk;
+          scale += blk_abs;
+        }
+        ASSERT_NEAR(got[i * n + j], sum, 1e-5 * scale + 1e-6) << qtype_name(q) << " [" << i << ", " << j << "]";
+        ASSERT_NEAR(got[i * n + j], scalar[i * n + j], 1e-5 * scale + 1e-6)
+            << qtype_name(q) << " against scalar [" << i << ", " << j << "]";
+      }
+    }
+    const int64_t subs[][2] = {{0, 1}, {10, 1}, {3, 5}, {4, 7}};
+    for (const auto& sb : subs) {
+      for (int threads : {1, 2}) {
+        const std::vector<float> part = run(sb[0], sb[1], threads);
+        ASSERT_EQ(std::memcmp(part.data(), got.data() + sb[0] * n, part.size() * 4), 0)
             << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
       }
     }

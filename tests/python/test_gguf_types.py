@@ -56,7 +56,7 @@ def test_dequantize_is_gguf_pys_bit_for_bit(name, n, k):
     raw = random_blocks(name, n, k, seed=n * 1000 + k)
     w = cpu.QuantizedWeight(torch.from_numpy(raw), name, n, k)
     assert (w.qtype, w.out_features, w.in_features) == (name, n, k)
-    assert w.integer_kernels == (name in ("q4_0", "q4_1", "q5_0", "q8_0"))
+    assert w.integer_kernels  # every type runs with int8 activations too (tests/cpp/test_gguf_types.cc checks them)
     out = torch.full((n, k), float("nan"))
     w.dequantize(out, 2)
     want = reference(name, raw)
@@ -100,5 +100,46 @@ def test_bad_types_and_shapes_raise_kernel_argument_error():
     with pytest.raises(KernelArgumentError, match="multiple of 256"):
         cpu.QuantizedWeight(raw, "q4_k", 2, 160)
     w = cpu.QuantizedWeight(raw, "q4_k", 2, 256)
-    with pytest.raises(KernelArgumentError, match="linear_f32"):
-        w.linear(torch.randn(1, 256), torch.empty(1, 2), None, 1)
+    with pytest.raises(KernelArgumentError, match="out"):
+        w.linear(torch.randn(1, 256), torch.empty(1, 3), None, 1)
+
+
+@pytest.mark.parametrize("name", TYPES)
+def test_linear_with_int8_activations_runs_every_type(quant_variant, name):
+    """linear (int8 activations) on each type's tiles: x @ W.T of gguf-py's de-quantised weights, up to the
+    activations' rounding (at most half a step xd / 2 per element: bounded by sum |w| xd / 2 per group)."""
+    n, k = 37, 512
+    raw = random_blocks(name, n, k, seed=7)
+    w = cpu.QuantizedWeight(torch.from_numpy(raw), name, n, k)
+    weights = reference(name, raw).double()
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(3))
+    out = torch.empty(5, n)
+    w.linear(x, out, None, 2)
+    xd = x.reshape(5, k // 32, 32).abs().amax(-1).double() / 127  # [5, groups]
+    bound = (weights.abs().reshape(n, k // 32, 32).sum(-1) @ xd.T).T / 2  # [5, n]
+    err = (out.double() - x.double() @ weights.T).abs()
+    assert bool((err <= bound * 1.001 + 1e-4 * (x.double().abs() @ weights.abs().T)).all()), float((err / bound).max())
+
+
+def test_the_quantised_method_runs_a_files_k_quant_blocks_as_they_are():
+    """--quantization on a GGUF file takes each layer's own blocks in any type the kernels read (here Q4_K),
+    whatever the quantisation named: no second rounding of weights the file already quantised."""
+    from types import SimpleNamespace
+
+    from pagedserve.model.gguf_format import GGUFBlocks
+    from pagedserve.model.quantization import QuantizedMethod
+
+    n, k = 48, 256
+    raw = random_blocks("q4_k", n, k, seed=11)
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(reference("q4_k", raw))
+    blocks = GGUFBlocks("unused.gguf", {"blk.0.ffn_down.weight": (raw, "q4_k")}, "gemma3")
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    for quantization in ("q4", "int8"):
+        method = QuantizedMethod(quantization, config, blocks)
+        layer, what = method.build([lin], ["model.layers.0.mlp.down_proj"])
+        assert layer.qtype == "q4_k" and what == "Q4_K blocks, the file's own, int8 activations"
+        assert torch.equal(layer.dequantize(), lin.weight.detach()) and method.native == 1
+        other, what = method.build([torch.nn.Linear(k, n)], ["model.layers.0.mlp.up_proj"])  # not in the file
+        assert other.qtype == {"q4": "q4_1", "int8": "q8_0"}[quantization] and "quantised here" in what

@@ -96,7 +96,7 @@ def test_a_float_checkpoint_is_quantised_on_load(tiny_llama_dir, quantization, t
     activations."""
     llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=32,
               quantization=quantization)
-    assert "no GGUF blocks" in llm.engine.linear_path
+    assert "0 layers on the GGUF's own blocks" in llm.engine.linear_path
     mods = [m for m in llm.engine.model.modules() if isinstance(m, QuantLinear)]
     assert mods and not any(type(m) is torch.nn.Linear for m in llm.engine.model.modules())
     ref_dir = dequantised_copy(tiny_llama_dir, {"q4": "q4_1", "int8": "q8_0"}[quantization], tmp_path)

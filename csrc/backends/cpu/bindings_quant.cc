@@ -27,7 +27,7 @@ void bind_quant(py::module_& m) {
       "A GGUF-quantised weight matrix [out_features, in_features] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K or "
       "Q6_K) kept in 16-row interleaved tiles of its exact values: linear_f32 multiplies float32 activations with "
       "them (every type); linear quantises activations per row and 32-group to int8 (llama.cpp's Q8_1 scheme) "
-      "for integer block dots by AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw or scalar C++ (Q4_1, Q8_0).")
+      "for integer block dots by AVX512-VNNI / AVX-VNNI vpdpbusd, AVX2 vpmaddubsw or scalar C++ (every type).")
       .def(py::init([](py::handle raw, const std::string& qtype, int64_t out_features, int64_t in_features) {
              auto r = tensor_arg(raw, "raw");
              py::gil_scoped_release release;
@@ -97,11 +97,9 @@ void bind_quant(py::module_& m) {
       .def_property_readonly("qtype", [](const QuantizedWeight& w) { return std::string(qtype_name(w.qtype())); },
                              "The GGUF block type the weight was given in ('q4_1', 'q6_k', ...).")
       .def_property_readonly(
-          "integer_kernels", [](const QuantizedWeight& w) {
-            return w.tile_format() == TileFormat::kQ4_1 || w.tile_format() == TileFormat::kQ8_0;
-          },
-          "Whether linear (int8 activations) runs this weight (Q4_0, Q4_1, Q5_0, Q8_0: the Q4_1 / Q8_0 tiles); "
-          "linear_f32 runs every type.")
+          "integer_kernels", &QuantizedWeight::integer_kernels,
+          "Whether linear (int8 activations) runs this weight (every GGUF type the kernels read); linear_f32 runs "
+          "every type.")
       .def_property_readonly("in_features", &QuantizedWeight::in_features)
       .def_property_readonly("out_features", &QuantizedWeight::out_features);
 

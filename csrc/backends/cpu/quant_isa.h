@@ -75,7 +75,7 @@ struct QuantActivations {
 // One GEMM call: out [M, N] (row stride N, dtype float32 or bfloat16) =
 // x . W^T (+ bias [N] float32, or nullptr).
 struct QuantGemmArgs {
-  TileFormat format;  // kQ4_1 or kQ8_0 (the integer kernels read no other tile)
+  TileFormat format;  // any (u4f / u5f / i8f: i8f's minima must be zero, QuantizedWeight checks)
   const uint8_t* w;  // repacked tiles (layout above)
   int64_t n, k;      // real N (unpadded) and K
   int64_t m;

@@ -23,6 +23,9 @@
 // rows reuse each unpacked weight tile in registers (compute-bound batches):
 // 8 per pass with AVX-512, 4 with 256 bits.
 //
+// The other GGUF types' decoded tiles (u4f, u5f, i8f) have their own integer
+// kernel, shared by the SIMD variants (its section below).
+//
 // Within a variant a row's result does not depend on the pass, the work item
 // or the thread that computed it: the integer sums are exact (any order) and
 // the float steps per (row, block) are always the same: scale = d * xd, then
@@ -329,6 +332,133 @@ inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, cons
   for (int64_t j = 0; j < nv; ++j) o[j] = a.bias != nullptr ? acc[j] + a.bias[c0 + j] : acc[j];
 }
 
+#if PAGEDSERVE_QISA_LEVEL >= 1
+// ---- the integer GEMM of the decoded tiles (u4f, u5f, i8f): every SIMD variant ----
+//
+// 8 output rows per ymm (half a row group), up to 4 activation rows a pass,
+// in AVX2 instructions only (the AVX2 variant's vpmaddubsw + vpmaddwd forms),
+// so the VNNI variants run the very sequence the AVX2 variant runs (and its
+// tests check on any AVX2 CPU); a vpdpbusd form for them is left for later.
+//   u4f / u5f: unsigned quants (0..15 / 0..31; the high bit of element e is
+//     bit e of the row's qh word, spread to bit 4 of its byte by a multiply),
+//     four vpmaddubsw per i16 partial sum (each at most 2 * 31 * 127, four
+//     below 32767), then per block, d and m float32:
+//       acc = fma(isum, d * xd, acc); acc = fma(m, xs, acc)
+//   i8f: signed quants as the AVX2 Q8_0 form (|q| times sign(xq, q)), one
+//     integer sum per 16 elements (a scale each):
+//       acc = fma(isum_lo, d_lo * xd, acc); acc = fma(isum_hi, d_hi * xd, acc)
+//     (its minima are zero: QuantizedWeight::linear refuses an i8f weight
+//     whose minima are not).
+
+constexpr int kDecodedRowsPerPass = 4;
+
+inline __m256i bcast_dword(const int8_t* p) {  // the activation dword at p in every lane
+  int32_t v;
+  memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// Per dword lane: bit 4 of byte b = bit b of the lane's low 4 bits (v * 0x00204081 places copies of those 4
+// bits at bits 0, 7, 14 and 21 without overlap; bit 8 b of the product is bit b of v).
+inline __m256i high_bits_to_bytes(__m256i v) {
+  const __m256i low4 = _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
+  const __m256i spread = _mm256_mullo_epi32(low4, _mm256_set1_epi32(0x00204081));
+  return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(0x01010101)), 4);
+}
+
+// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7.
+template <TileFormat Q, int R>
+void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
+  constexpr int64_t kTile = tile_bytes_of<Q>();
+  const int64_t nb = a.k / kQBlock, m = a.m;
+  const uint8_t* t = a.w + g * nb * kTile;
+  const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block; row i at + 32 i
+  const float* xd = a.x.xd + r;             // then + m per block (xs alike)
+  const float* xs = a.x.xs + r;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m) {
+    if constexpr (Q == TileFormat::kI8F) {
+      __m256i s[2][R];
+      for (int i = 0; i < R; ++i) s[0][i] = s[1][i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI8FQuants + 64 * c + 32 * h));
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |q| (-128 -> 128 as u8)
+        for (int i = 0; i < R; ++i) {
+          const __m256i sx = _mm256_sign_epi8(bcast_dword(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
+          s[c >> 2][i] = _mm256_add_epi32(s[c >> 2][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+        }
+      }
+      for (int half = 0; half < 2; ++half) {  // d[half][16] at 0: row j's at 4 (16 half + j)
+        const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * half + 8 * h);
+        for (int i = 0; i < R; ++i) {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[half][i]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[i])), acc[i]);
+        }
+      }
+    } else {
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (five_bit<Q>()) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FHigh + 32 * h));
+      __m256i s[R], p16[R];
+      for (int half = 0; half < 2; ++half) {  // elements 16 half + 4 p + b: the low (0) or high (1) nibbles
+        for (int p = 0; p < 4; ++p) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FNibbles + 64 * p + 32 * h));
+          __m256i w = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), low);
+          if constexpr (five_bit<Q>()) w = _mm256_or_si256(w, high_bits_to_bytes(_mm256_srli_epi32(qh, 16 * half + 4 * p)));
+          for (int i = 0; i < R; ++i) {
+            const __m256i v = _mm256_maddubs_epi16(w, bcast_dword(xq + kQBlock * i + 16 * half + 4 * p));
+            p16[i] = p == 0 ? v : _mm256_add_epi16(p16[i], v);
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          const __m256i v = _mm256_madd_epi16(p16[i], ones);
+          s[i] = half == 0 ? v : _mm256_add_epi32(s[i], v);
+        }
+      }
+      const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);       // float d[16] at 0
+      const __m256 mv = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);  // float m[16] at 64
+      for (int i = 0; i < R; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[i])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i]), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, acc[i]);
+    write_out(a, r + i, g * kQRows + 8 * h, 8, buf);
+  }
+}
+
+template <TileFormat Q>
+void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
+      int64_t r = m0;
+      for (; r + kDecodedRowsPerPass <= m1; r += kDecodedRowsPerPass) pass_decoded<Q, kDecodedRowsPerPass>(a, g, h, r);
+      switch (m1 - r) {
+        case 3: pass_decoded<Q, 3>(a, g, h, r); break;
+        case 2: pass_decoded<Q, 2>(a, g, h, r); break;
+        case 1: pass_decoded<Q, 1>(a, g, h, r); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// The SIMD variants' gemm for the decoded tiles; false for q4_1 / q8_0 (the variant's own kernels).
+inline bool gemm_of_decoded_tiles(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  switch (a.format) {
+    case TileFormat::kU4F: gemm_decoded<TileFormat::kU4F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kU5F: gemm_decoded<TileFormat::kU5F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kI8F: gemm_decoded<TileFormat::kI8F>(a, g0, g1, m0, m1); return true;
+    default: return false;
+  }
+}
+#endif
+
 #if PAGEDSERVE_QISA_LEVEL == 0
 // ---- scalar: the reference integer math, one row at a time ----
 
@@ -354,7 +484,7 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
         acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
         acc[j] = acc[j] + m * xs;
       }
-    } else {
+    } else if (a.format == TileFormat::kQ8_0) {
       const uint8_t* t = a.w + (g * nb + b) * kQ80TileBytes;
       for (int j = 0; j < kQRows; ++j) {
         int32_t isum = 0;
@@ -364,6 +494,37 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
         }
         const float d = half_to_float(load_u16(t + 2 * j));
         acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
+      }
+    } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4F) {
+      const bool five = a.format == TileFormat::kU5F;
+      const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4FTileBytes);
+      for (int j = 0; j < kQRows; ++j) {
+        uint32_t qh = 0;
+        if (five) memcpy(&qh, t + k5FHigh + 4 * j, 4);
+        int32_t isum = 0;
+        for (int e = 0; e < kQBlock; ++e) {
+          const uint8_t qs = t[k5FNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+          const int v = (e < 16 ? qs & 0x0F : qs >> 4) | static_cast<int>((qh >> e) & 1u) << 4;
+          isum += v * xq[e];
+        }
+        float d, m;
+        memcpy(&d, t + 4 * j, 4);
+        memcpy(&m, t + 64 + 4 * j, 4);
+        acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
+        acc[j] = acc[j] + m * xs;
+      }
+    } else {  // i8f: a scale per 16 elements; its minima are zero (QuantizedWeight checks that for linear)
+      const uint8_t* t = a.w + (g * nb + b) * kI8FTileBytes;
+      for (int j = 0; j < kQRows; ++j) {
+        for (int half = 0; half < 2; ++half) {
+          int32_t isum = 0;
+          for (int e = 16 * half; e < 16 * half + 16; ++e) {
+            isum += static_cast<int32_t>(static_cast<int8_t>(t[kI8FQuants + 64 * (e >> 2) + 4 * j + (e & 3)])) * xq[e];
+          }
+          float d;
+          memcpy(&d, t + 4 * (kQRows * half + j), 4);
+          acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
+        }
       }
     }
   }
@@ -575,6 +736,7 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
 }
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if (gemm_of_decoded_tiles(a, g0, g1, m0, m1)) return;
   if (a.format == TileFormat::kQ4_1) {
     gemm_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1);
   } else {
@@ -975,6 +1137,7 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
 }
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if (gemm_of_decoded_tiles(a, g0, g1, m0, m1)) return;
   if (a.format == TileFormat::kQ4_1) {
     gemm_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1);
   } else {

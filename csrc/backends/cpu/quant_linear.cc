@@ -289,6 +289,7 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
       for (int h = 0; h < 2; ++h) {
         std::memcpy(t + 4 * (kQRows * h + j), &d[static_cast<size_t>(2 * b + h)], 4);
         std::memcpy(t + 128 + 4 * (kQRows * h + j), &m[static_cast<size_t>(2 * b + h)], 4);
+        if (m[static_cast<size_t>(2 * b + h)] != 0.f) integer_ok_ = false;  // the integer kernel has no minimum term
       }
       const int8_t* src = qs.data() + b * kQBlock;
       for (int c = 0; c < 8; ++c) std::memcpy(t + 256 + 64 * c + 4 * j, src + 4 * c, 4);
@@ -407,9 +408,10 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
 
 void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias,
                                  int num_threads, const QuantKernelTable& kernels) const {
-  if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {  // the integer kernels read no other tile
-    throw KernelArgumentError(std::string("linear (int8 activations) runs q4_0, q4_1, q5_0 and q8_0 weights; this one is ") +
-                              qtype_name(qtype_) + ": use linear_f32");
+  if (!integer_ok_) {
+    throw KernelArgumentError(std::string("linear (int8 activations) cannot run this ") + qtype_name(qtype_) +
+                              " weight: its tiles hold minima per 16 elements, which the integer kernels do not "
+                              "take; use linear_f32");
   }
   if (m <= 0) return;
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows;

@@ -94,6 +94,10 @@ class QuantizedWeight {
   int64_t in_features() const { return k_; }   // K
   // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
   int64_t nbytes() const { return nbytes_; }
+  // Whether linear (int8 activations) runs this weight: every type but one
+  // whose i8f tiles hold a non-zero minimum (none of the GGUF types does:
+  // Q6_K, the one type held in i8f, has no minimum).
+  bool integer_kernels() const { return integer_ok_; }
 
   // out [N, K] = the dequantised weights. float32: bit-identical to gguf-py's
   // numpy dequantisation (Q4_1 d * q + m, Q8_0 d * q, Q4_K d * sc * q - dmin
@@ -117,8 +121,8 @@ class QuantizedWeight {
   // The work is split over N (row groups of 16) and, for large M, over M, on
   // num_threads (1 .. 1024) threads of the shared pool (thread_pool.h); small
   // problems run on the calling thread. M may be 0 (nothing happens).
-  // Q4_0, Q4_1, Q5_0 and Q8_0 (their Q4_1 / Q8_0 tiles; other types throw: their integer kernels are not
-  // written yet). Throws KernelArgumentError (before writing anything).
+  // Every type integer_kernels() is true for (the others throw). Throws
+  // KernelArgumentError (before writing anything).
   void linear(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
 
   // out [M, N] = x [M, K] . W^T (+ bias [N]) in float32 with the exactly
@@ -142,7 +146,7 @@ class QuantizedWeight {
 
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
-  // Throws KernelArgumentError for a weight of a type other than Q4_0, Q4_1, Q5_0, Q8_0.
+  // Throws KernelArgumentError where integer_kernels() is false.
   void linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias, int num_threads,
                   const QuantKernelTable& kernels) const;
 
@@ -157,6 +161,7 @@ class QuantizedWeight {
   QType qtype_;
   TileFormat format_;
   int64_t n_, k_, nbytes_;
+  bool integer_ok_ = true;  // integer_kernels()
   std::unique_ptr<uint8_t, Free> tiles_;
 };
 

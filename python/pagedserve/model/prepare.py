@@ -139,11 +139,10 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             lean.native, lean.why_not_native = None, "--no-native-step"
         why = why[:-1] + f"; {lean.describe_native()})"
     if quantization != "none":
-        source = f"{quantizer.native} layers run the GGUF's own blocks" if quantizer.native else "no GGUF blocks"
         large = (f"; calls of {DENSE_MIN_ROWS}+ rows: de-quantised to bfloat16, torch's bfloat16 GEMM"
                  if quantizer.dense_prefill else "")
-        path = (f"{quantization}: {quantizer.qtype} blocks, int8 activations ({source}, {quantizer.requantized} "
-                f"quantised here; kernel {_kernel_isa()}{large})")
+        path = (f"{quantization}: int8 activations; {quantizer.native} layers on the GGUF's own blocks, "
+                f"{quantizer.requantized} quantised here to {quantizer.qtype} (kernel {_kernel_isa()}{large})")
     elif impl == "gguf":
         measured = "" if gguf_ms is None else (
             f"; {gguf_ms.source}: ms per pass at " + "/".join(map(str, gguf_ms.ms["gguf"])) + " rows: " +

@@ -1,15 +1,18 @@
 """Quantised linear layers (``--quantization q4|int8``): weights kept in GGUF's
 block formats and run by the C++ kernel ``_core.cpu.QuantizedWeight``.
 
+A GGUF checkpoint's layers run on the file's own blocks, unchanged, in
+whichever type the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
+Q6_K: the model computes with exactly the weights it ships; tests check the
+dequantised blocks equal the GGUF's values bit for bit). The quantisation
+names the type of every other layer (a float checkpoint's, a file's F16/F32
+tensors), quantised here by gguf-py (llama.cpp's rounding):
+
   q4:   Q4_1 blocks (32 weights: a float16 scale d and minimum m, 4-bit
-        q; w = d q + m). For a GGUF checkpoint whose linear layers are Q4_1
-        (the default SmolLM2) these are the file's own blocks, unchanged: the
-        model computes with exactly the weights it ships (tests check the
-        dequantised blocks equal the GGUF's values bit for bit). Its Q8_0
-        output layer is used as it is too. Other checkpoints are quantised to
-        Q4_1 here (gguf-py's quantiser, llama.cpp's rounding).
-  int8: Q8_0 blocks (32 weights: a float16 scale, 8-bit q; w = d q), quantised
-        here from the float weights, for float checkpoints.
+        q; w = d q + m).
+  int8: Q8_0 blocks (32 weights: a float16 scale, 8-bit q; w = d q).
+  An output layer quantised here always gets Q8_0, as llama.cpp keeps it at
+  higher precision.
 
 The kernel quantises each activation row to int8 per group of 32 (a scale and
 the group's sum, llama.cpp's Q8_1) and multiplies with integer dot products
@@ -26,7 +29,7 @@ import logging
 import torch
 
 from .. import _core
-from .gguf_format import GGUFBlocks, quantize_rows
+from .gguf_format import NATIVE_QTYPES, GGUFBlocks, quantize_rows
 from .linear_method import LinearMethod
 
 logger = logging.getLogger(__name__)
@@ -59,8 +62,8 @@ class QuantLinear(torch.nn.Module):
     the GEMM is compute-bound.
 
     Args:
-        blocks: [out_features, in_features / 32 * block bytes] uint8.
-        qtype: "q4_1" or "q8_0".
+        blocks: [out_features, in_features / block elements * block bytes] uint8.
+        qtype: the blocks' GGUF type (any of gguf_format.NATIVE_QTYPES).
         in_features: K (a multiple of 32).
         bias: [out_features] or None (kept in float32).
         dense_prefill: take the bfloat16 path for large calls (dense_prefill_available()).
@@ -105,9 +108,10 @@ class QuantLinear(torch.nn.Module):
 
 class QuantizedMethod(LinearMethod):
     """The linear method of ``--quantization q4|int8``: QuantLinear layers on
-    the GGUF file's own blocks where it stores a layer in this quantisation's
-    type (the output layer: in Q4_1 or Q8_0), else on the float weights
-    quantised here by gguf-py. Takes every layer.
+    the GGUF file's own blocks where it stores a layer in a block type the
+    kernels read (any of NATIVE_QTYPES, whatever the quantisation asked), else
+    on the float weights quantised here by gguf-py to Q4_1 (q4) or Q8_0
+    (int8; the output layer always). Takes every layer.
 
     Args:
         quantization: "q4" or "int8".
@@ -133,11 +137,13 @@ class QuantizedMethod(LinearMethod):
     def blocks(self, linear: torch.nn.Linear, name: str) -> tuple[torch.Tensor, str, bool]:
         """(blocks [N, bytes] uint8, qtype, the file's own) for the layer ``name``
         (its qualified name in the transformers model): the GGUF's own blocks
-        when the file stores that tensor in this quantisation's type (the
-        output layer: in Q4_1 or Q8_0), else the float weight quantised to it."""
+        when the file stores that tensor in a block type the integer kernels
+        read (every type of NATIVE_QTYPES: Q4_0 ... Q6_K, as llama.cpp runs a
+        file's types as they are), else the float weight quantised to this
+        quantisation's type (the output layer: to Q8_0)."""
         if self.gguf is not None:
             native = self.gguf.layer_blocks(name, linear.out_features, self.num_heads, self.num_kv_heads,
-                                            ("q4_1", "q8_0") if name == "lm_head" else (self.qtype,))
+                                            NATIVE_QTYPES)
             if native is not None:
                 return native[0], native[1], True
         # an output layer quantised here gets 8 bits, as llama.cpp keeps it at higher precision than the layers
