@@ -143,3 +143,38 @@ def test_the_quantised_method_runs_a_files_k_quant_blocks_as_they_are():
         assert torch.equal(layer.dequantize(), lin.weight.detach()) and method.native == 1
         other, what = method.build([torch.nn.Linear(k, n)], ["model.layers.0.mlp.up_proj"])  # not in the file
         assert other.qtype == {"q4": "q4_1", "int8": "q8_0"}[quantization] and "quantised here" in what
+
+
+def test_a_fused_layer_of_mixed_types_keeps_each_parts_own_blocks():
+    """A Q4_K_M file stores attn_v as Q6_K where q and k are Q4_K: the fused qkv layer of --quantization keeps
+    each part's blocks (one kernel call per type, into its columns), none quantised a second time."""
+    from types import SimpleNamespace
+
+    from pagedserve.model.gguf_format import GGUFBlocks
+    from pagedserve.model.quantization import QuantizedMethod
+
+    k = 256
+    raws = {"q": random_blocks("q4_k", 64, k, seed=1), "k": random_blocks("q4_k", 16, k, seed=2),
+            "v": random_blocks("q6_k", 16, k, seed=3)}
+    types = {"q": "q4_k", "k": "q4_k", "v": "q6_k"}
+    lins = []
+    for part, raw in raws.items():
+        lin = torch.nn.Linear(k, raw.shape[0], bias=part == "k")
+        with torch.no_grad():
+            lin.weight.copy_(reference(types[part], raw))
+        lins.append(lin)
+    blocks = GGUFBlocks("unused.gguf", {f"blk.2.attn_{p}.weight": (r, types[p]) for p, r in raws.items()}, "qwen3")
+    method = QuantizedMethod("q4", SimpleNamespace(num_attention_heads=4, num_key_value_heads=1), blocks)
+    layer, what = method.build(lins, [f"model.layers.2.self_attn.{p}_proj" for p in "qkv"])
+    assert what == "Q4_K+Q6_K blocks, the file's own, int8 activations" and layer.qtype == "q4_k+q6_k"
+    assert method.native == 3 and method.requantized == 0 and len(layer.weights) == 2
+    assert torch.equal(layer.dequantize(), torch.cat([lin.weight.detach() for lin in lins]))
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(0))
+    want = torch.cat([lin(x) for lin in lins], dim=-1).detach()
+    got = layer(x)
+    assert got.shape == (3, 96)
+    # each part's columns are that part alone on its own weight (the same kernel call)
+    alone = torch.empty(3, 16)
+    layer.weights[1].linear(x, alone, None, 1)
+    assert torch.equal(got[:, 80:], alone)
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05 * float(want.abs().max()))

@@ -178,7 +178,9 @@ class GGUFFloatMethod(LinearMethod):
         max_rows: GGUFFloatLinear.max_rows of the layers built (tune() measures it).
     Attributes:
         native: layers (before fusion) that run on the GGUF's blocks.
-        declined: layers it declined (no such blocks, or not the same values).
+        declined: layers the file holds that it declined (blocks of a type
+            the kernels do not read, or not the same values; layers the file
+            has no tensor for are not counted).
         layers: the GGUFFloatLinear modules built.
     """
 
@@ -205,7 +207,6 @@ class GGUFFloatMethod(LinearMethod):
             return f"its parts are of different block types ({', '.join(t.upper() for t in types)})"
         return None
 
-    @torch.inference_mode()
     def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
         """See LinearMethod.build: a GGUFFloatLinear over the parts' blocks
         concatenated by rows, its dense layer from ``dense``; or (None, why)."""
@@ -220,7 +221,8 @@ class GGUFFloatMethod(LinearMethod):
             if not torch.equal(values, torch.cat([lin.weight.detach() for lin in linears]).float()):
                 why = "the GGUF's blocks are not the model's float32 weights"
         if why is not None:
-            self.declined += len(linears)
+            # a layer the file has no tensor for at all (a router, a projector) was never the blocks' to serve
+            self.declined += sum(self.gguf.gguf_name(name) is not None for name in names)
             return None, why
         bias = None
         if any(lin.bias is not None for lin in linears):

@@ -11,8 +11,9 @@ returns is the apply). The methods:
   GGUFFloatMethod  (gguf_linear.py)   the GGUF's own blocks expanded exactly to
                                       float32 in registers (declines a layer
                                       whose blocks are not its float32 weights)
-  QuantizedMethod  (quantization.py)  Q4_1 / Q8_0 blocks, int8 activations
-                                      (--quantization q4|int8: lossy, opt-in)
+  QuantizedMethod  (quantization.py)  a GGUF's own blocks of any type (else
+                                      Q4_1 / Q8_0 quantised here), int8
+                                      activations (--quantization: lossy, opt-in)
 
 A ``LinearMethodTable`` is the decision table: its methods in order of
 preference; each layer takes the first that does not decline it. The lean

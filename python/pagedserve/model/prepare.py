@@ -83,7 +83,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     Args:
         linear_impl, quantization, model_impl, native_step: EngineArgs' fields of the same names.
         gguf_path: the GGUF file the model was converted from, or None (its own
-            Q4_1 / Q8_0 blocks are used by --quantization).
+            blocks serve the gguf path and --quantization).
     Raises:
         ValueError: a quantisation off the CPU, a named GEMM path that cannot run
             here, --model-impl pagedserve for an architecture without a lean forward.

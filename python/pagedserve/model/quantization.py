@@ -65,24 +65,37 @@ class QuantLinear(torch.nn.Module):
         blocks: [out_features, in_features / block elements * block bytes] uint8.
         qtype: the blocks' GGUF type (any of gguf_format.NATIVE_QTYPES).
         in_features: K (a multiple of 32).
-        bias: [out_features] or None (kept in float32).
+        bias: [out_features] or None (kept in float32), over every part's rows.
         dense_prefill: take the bfloat16 path for large calls (dense_prefill_available()).
+        parts: further (blocks, qtype) whose rows follow (a fused layer whose
+            parts a file stores in different types: each part's own blocks, one
+            kernel call each, into its columns of the output).
+    Attributes:
+        qtype: the parts' types joined by "+" ("q4_k+q6_k"), one name when they are one.
     Raises:
         pagedserve.errors.KernelArgumentError (a ValueError) on blocks of the wrong size.
     """
 
     def __init__(self, blocks: torch.Tensor, qtype: str, in_features: int, bias: torch.Tensor | None,
-                 dense_prefill: bool = False) -> None:
+                 dense_prefill: bool = False, parts: list[tuple[torch.Tensor, str]] | None = None) -> None:
         super().__init__()
-        self.in_features, self.out_features, self.qtype = in_features, blocks.shape[0], qtype
+        every = [(blocks, qtype)] + list(parts or [])
+        self.weights = [_core.cpu.QuantizedWeight(b.contiguous(), q, b.shape[0], in_features) for b, q in every]
+        self.weight = self.weights[0]
+        self.in_features, self.out_features = in_features, sum(b.shape[0] for b, _ in every)
+        self.qtype = "+".join(dict.fromkeys(q for _, q in every))
         self.dense_prefill = dense_prefill
-        self.weight = _core.cpu.QuantizedWeight(blocks.contiguous(), qtype, self.out_features, in_features)
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        starts = [0]
+        for w in self.weights:
+            starts.append(starts[-1] + w.out_features)
+        self._columns = list(zip(starts[:-1], starts[1:]))
+        self._biases = [None if self.bias is None else self.bias[a:b].contiguous() for a, b in self._columns]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the weight blocks (as the kernel stores them)."""
-        return self.weight.nbytes
+        return sum(w.nbytes for w in self.weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -95,14 +108,22 @@ class QuantLinear(torch.nn.Module):
                 out = out.float() + self.bias
             return out.to(x.dtype).reshape(*lead, self.out_features)
         out = torch.empty((x2.shape[0], self.out_features), dtype=x.dtype)
-        self.weight.linear(x2, out, self.bias, torch.get_num_threads())
+        threads = torch.get_num_threads()
+        if len(self.weights) == 1:
+            self.weight.linear(x2, out, self.bias, threads)
+        else:
+            for w, (a, b), bias in zip(self.weights, self._columns, self._biases):
+                part = torch.empty((x2.shape[0], b - a), dtype=x.dtype)
+                w.linear(x2, part, bias, threads)
+                out[:, a:b] = part
         return out.reshape(*lead, self.out_features)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weights the kernel multiplies with: [out_features, in_features]
         float32 (exactly gguf-py's values), or those rounded to bfloat16."""
         out = torch.empty((self.out_features, self.in_features), dtype=dtype)
-        self.weight.dequantize(out, torch.get_num_threads())
+        for w, (a, b) in zip(self.weights, self._columns):
+            w.dequantize(out[a:b], torch.get_num_threads())
         return out
 
 
@@ -156,21 +177,25 @@ class QuantizedMethod(LinearMethod):
 
     def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module, str]:
         """One QuantLinear computing the listed layers (same in_features) side by
-        side: their blocks concatenated by rows (all of one qtype; else each is
-        quantised to this quantisation's type). Never declines (LinearMethod.build)."""
+        side: each part on its own blocks (the file's, or quantised here),
+        parts of one type concatenated by rows into one weight, of several
+        types one weight each. Never declines (LinearMethod.build)."""
         parts = [self.blocks(lin, name) for lin, name in zip(linears, names)]
-        if len({q for _, q, _ in parts}) > 1:
-            parts = [(quantize_rows(lin.weight, self.qtype), self.qtype, False) for lin in linears]
-        own = all(o for _, _, o in parts)
-        if own:
-            self.native += len(linears)
-        else:
-            self.requantized += len(linears)
+        own = sum(1 for _, _, o in parts if o)
+        self.native += own
+        self.requantized += len(parts) - own
         bias = None
         if any(lin.bias is not None for lin in linears):
             bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
                               for lin in linears])
-        qtype = parts[0][1]
-        what = f"{qtype.upper()} blocks, " + ("the file's own" if own else "quantised here") + ", int8 activations"
-        return QuantLinear(torch.cat([b for b, _, _ in parts]), qtype, linears[0].in_features, bias,
-                           self.dense_prefill), what
+        runs = []  # consecutive parts of one type, their blocks concatenated: [(blocks, qtype)]
+        for blocks, qtype, _ in parts:
+            if runs and runs[-1][1] == qtype:
+                runs[-1] = (torch.cat([runs[-1][0], blocks]), qtype)
+            else:
+                runs.append((blocks, qtype))
+        source = ("the file's own" if own == len(parts) else "quantised here" if own == 0 else
+                  f"{own} of {len(parts)} parts the file's own, the others quantised here")
+        what = "+".join(q.upper() for _, q in runs) + f" blocks, {source}, int8 activations"
+        layer = QuantLinear(runs[0][0], runs[0][1], linears[0].in_features, bias, self.dense_prefill, parts=runs[1:])
+        return layer, what
