@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -362,6 +363,57 @@ TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
         const std::vector<float> part = run(sb[0], sb[1], threads);
         ASSERT_EQ(std::memcmp(part.data(), got.data() + sb[0] * n, part.size() * 4), 0)
             << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
+      }
+    }
+  }
+}
+
+// Several weights of different types in one dispatch (linear_f32_parts, the
+// native step's qkv and gate_up of a mixed-type file): each part's columns of
+// a wider output are the bits its own linear_f32 gives, bias included, for
+// any row count and thread count; the columns beyond the parts are untouched.
+TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
+  ActiveVariant guard;
+  set_active_quant_isa(GetParam());
+  std::mt19937 rng(31);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t k = 512;
+  const QType types[] = {QType::kQ5_0, QType::kQ4_K, QType::kQ6_K, QType::kQ8_0};
+  const int64_t rows[] = {200, 64, 7, 97};  // partial row groups between parts; 30+ rows: large enough for the pool
+  std::vector<std::vector<uint8_t>> raws;
+  std::vector<std::unique_ptr<QuantizedWeight>> ws;
+  std::vector<const QuantizedWeight*> parts;
+  int64_t n = 0;
+  for (int i = 0; i < 4; ++i) {
+    raws.push_back(random_blocks(types[i], rows[i], k, rng));
+    ws.push_back(std::make_unique<QuantizedWeight>(raws.back().data(), types[i], rows[i], k));
+    parts.push_back(ws.back().get());
+    n += rows[i];
+  }
+  const int64_t ldo = n + 5;
+  std::vector<float> bias(n);
+  for (auto& v : bias) v = nd(rng);
+  for (int64_t m : {int64_t{1}, int64_t{5}, int64_t{30}, int64_t{64}}) {
+    std::vector<float> x(m * k);
+    for (auto& v : x) v = nd(rng);
+    for (int threads : {1, 2}) {
+      std::vector<float> out(m * ldo, 123.f);
+      QuantizedWeight::linear_f32_parts(parts, x.data(), m, out.data(), ldo, bias.data(), threads,
+                                        active_quant_isa().table());
+      int64_t col = 0;
+      for (int i = 0; i < 4; ++i) {
+        std::vector<float> own(m * rows[i]), b(bias.begin() + col, bias.begin() + col + rows[i]);
+        auto ba = arg(b, {rows[i]}, DType::kFloat32, "bias");
+        ws[i]->linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(own, {m, rows[i]}, DType::kFloat32, "out"), &ba,
+                          threads);
+        for (int64_t r = 0; r < m; ++r) {
+          ASSERT_EQ(std::memcmp(out.data() + r * ldo + col, own.data() + r * rows[i], rows[i] * 4), 0)
+              << qtype_name(types[i]) << " m=" << m << " threads=" << threads << " row " << r;
+        }
+        col += rows[i];
+      }
+      for (int64_t r = 0; r < m; ++r) {
+        for (int64_t j = n; j < ldo; ++j) ASSERT_EQ(out[r * ldo + j], 123.f) << "column " << j << " written";
       }
     }
   }

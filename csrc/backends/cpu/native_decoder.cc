@@ -170,22 +170,12 @@ void NativeDecoder::run_linear(const NativeLinear& linear, const TensorArg& x, f
     }
     return;
   }
-  int64_t col = 0;
-  for (const auto& part : linear.parts) {
-    const int64_t n = part->out_features();
-    part_.resize(static_cast<size_t>(t * n));
-    const TensorArg o = rows_view(part_.data(), t, n, "part");
-    if (bias == nullptr) {
-      part->linear_f32(x, o, nullptr, num_threads);
-    } else {
-      const TensorArg b = view(bias + col, {n}, {1}, "bias");
-      part->linear_f32(x, o, &b, num_threads);
-    }
-    for (int64_t i = 0; i < t; ++i) {
-      std::memcpy(out + i * out_stride + col, part_.data() + i * n, sizeof(float) * n);
-    }
-    col += n;
-  }
+  // several parts (different block types): one dispatch, each part into its columns of out
+  std::vector<const QuantizedWeight*> parts;
+  parts.reserve(linear.parts.size());
+  for (const auto& part : linear.parts) parts.push_back(part.get());
+  QuantizedWeight::linear_f32_parts(parts, x.ptr<float>(), t, out, out_stride, bias, num_threads,
+                                    active_quant_isa().table());
 }
 
 void NativeDecoder::forward(const TensorArg& input_ids, const TensorArg& positions, const TensorArg& slot_mapping,
@@ -321,7 +311,7 @@ void NativeDecoder::forward(const TensorArg& input_ids, const TensorArg& positio
   }
   fused_add_rms_norm(h, residual, vec_view(final_norm_, "norm"), final_norm_eps_, num_threads);
   if (t > kKeptScratchTokens) {  // a prefill's scratch (tens of MiB at 2048 tokens) is not kept for the decodes
-    for (std::vector<float>* v : {&residual_, &attn_, &qkv_, &gate_up_, &act_, &part_}) {
+    for (std::vector<float>* v : {&residual_, &attn_, &qkv_, &gate_up_, &act_}) {
       v->clear();
       v->shrink_to_fit();
     }

@@ -123,7 +123,7 @@ class NativeDecoder {
                float scale, int num_threads, const std::vector<TensorArg>& rope_tables = {});
 
  private:
-  // out [t, N] (row stride out_stride) = x [t, K] through `linear` (parts computed into part_ and copied).
+  // out [t, N] (row stride out_stride) = x [t, K] through `linear` (several parts: one dispatch, QuantizedWeight::linear_f32_parts).
   void run_linear(const NativeLinear& linear, const TensorArg& x, float* out, int64_t out_stride, int num_threads);
   const float* embed_ = nullptr;
   std::shared_ptr<const QuantizedWeight> embed_blocks_;
@@ -141,7 +141,7 @@ class NativeDecoder {
   std::vector<NativeLayer> layers_;
   // per-step scratch, sized for the step's T: residual [T, hidden], attn [T, Hq D], qkv [T, (Hq + 2 Hkv) D],
   // gate_up [T, 2 I], act [T, I], part [T, widest part of a split layer]
-  std::vector<float> residual_, attn_, qkv_, gate_up_, act_, part_;
+  std::vector<float> residual_, attn_, qkv_, gate_up_, act_;
 };
 
 }  // namespace cpu

@@ -89,7 +89,7 @@ struct QuantGemmArgs {
 // broadcasts x[r, k] of its rows straight from x (row-major, not copied).
 constexpr int kF32Rows = 12;
 
-// One gemm_f32 call: out [M, N] float32 (row stride N) = x . W^T (+ bias [N]
+// One gemm_f32 call: out [M, N] float32 (row stride ldo) = x . W^T (+ bias [N]
 // float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
 // values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f / i8f d * q + m), accumulated in float32 along k in
 // order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
@@ -102,6 +102,7 @@ struct QuantF32GemmArgs {
   const float* x;    // [M, K] float32, row-major (row stride K)
   const float* bias;
   float* out;
+  int64_t ldo;       // out's row stride (>= N: a column slice of a wider output)
 };
 
 // One variant of the quantized kernels.

@@ -328,7 +328,7 @@ constexpr int kI8FQuants = 256;
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(16, N - c0).
 inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, const float* acc) {
   const int64_t nv = imin(kQRows, a.n - c0);
-  float* o = a.out + r * a.n + c0;
+  float* o = a.out + r * a.ldo + c0;
   for (int64_t j = 0; j < nv; ++j) o[j] = a.bias != nullptr ? acc[j] + a.bias[c0 + j] : acc[j];
 }
 
@@ -820,7 +820,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
   const int64_t nv = imin(kQRows, a.n - c0);
   const __mmask16 mask = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : (1u << nv) - 1);
   if (a.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, a.bias + c0));
-  _mm512_mask_storeu_ps(a.out + r * a.n + c0, mask, v);
+  _mm512_mask_storeu_ps(a.out + r * a.ldo + c0, mask, v);
 }
 
 // Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups).
@@ -912,7 +912,7 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
     mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
     for (int i = 0; i < R; ++i) {
       acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
-                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.n + (g + gi) * kQRows);
+                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.ldo + (g + gi) * kQRows);
     }
   }
 #pragma GCC unroll 4
@@ -929,7 +929,7 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
       if (k1 == a.k) {
         store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
       } else {
-        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.n + (g + gi) * kQRows, mask[gi], acc[gi][i]);
+        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.ldo + (g + gi) * kQRows, mask[gi], acc[gi][i]);
       }
     }
   }
@@ -1218,11 +1218,11 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
   if (a.n - c0 < 8) {
     alignas(32) float buf[8];
     _mm256_store_ps(buf, v);
-    for (int64_t j = 0; j < a.n - c0; ++j) a.out[r * a.n + c0 + j] = a.bias != nullptr ? buf[j] + a.bias[c0 + j] : buf[j];
+    for (int64_t j = 0; j < a.n - c0; ++j) a.out[r * a.ldo + c0 + j] = a.bias != nullptr ? buf[j] + a.bias[c0 + j] : buf[j];
     return;
   }
   if (a.bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(a.bias + c0));
-  _mm256_storeu_ps(a.out + r * a.n + c0, v);
+  _mm256_storeu_ps(a.out + r * a.ldo + c0, v);
 }
 
 // Out rows t0 + i0 .. t0 + i0 + R - 1 of the row tile at t0 x row group g,

@@ -513,6 +513,7 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
   a.x = x;
   a.bias = bias;
   a.out = out;
+  a.ldo = n_;
   const int64_t scratch_floats = k_ * 2 * kQRows;  // two row groups' expanded weights
   const int64_t inline_macs = ThreadPool::spin_micros() > 0 ? kInlineF32MacsSpinning : kInlineF32Macs;
   if (num_threads == 1 || m * n_ * k_ < inline_macs) {
@@ -536,6 +537,76 @@ void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, cons
     const int64_t gi = i % g_items, mi = i / g_items;
     const int64_t g0 = 2 * (gi * pairs / g_items), g1 = std::min(groups, 2 * ((gi + 1) * pairs / g_items));
     kernels.gemm_f32(a, g0, g1, mi * m_chunk, std::min(m, (mi + 1) * m_chunk), worker.aligned_w(scratch_floats));
+  });
+}
+
+void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>& parts, const float* x, int64_t m,
+                                       float* out, int64_t ldo, const float* bias, int num_threads,
+                                       const QuantKernelTable& kernels) {
+  check_num_threads(num_threads);
+  if (m <= 0 || parts.empty()) return;
+  struct Part {
+    QuantF32GemmArgs a;
+    int64_t groups, pairs;
+  };
+  std::vector<Part> ps;
+  ps.reserve(parts.size());
+  int64_t col = 0, macs = 0, total_pairs = 0;
+  const int64_t k = parts.front()->k_;
+  for (const QuantizedWeight* w : parts) {
+    Part p{};
+    p.a.format = w->format_;
+    p.a.w = w->tiles_.get();
+    p.a.n = w->n_;
+    p.a.k = k;
+    p.a.m = m;
+    p.a.x = x;
+    p.a.bias = bias != nullptr ? bias + col : nullptr;
+    p.a.out = out + col;
+    p.a.ldo = ldo;
+    p.groups = (w->n_ + kQRows - 1) / kQRows;
+    p.pairs = (p.groups + 1) / 2;
+    ps.push_back(p);
+    col += w->n_;
+    macs += m * w->n_ * k;
+    total_pairs += p.pairs;
+  }
+  const int64_t scratch_floats = k * 2 * kQRows;
+  thread_local F32Scratch tls;
+  const int64_t inline_macs = ThreadPool::spin_micros() > 0 ? kInlineF32MacsSpinning : kInlineF32Macs;
+  if (num_threads == 1 || macs < inline_macs) {
+    for (const Part& p : ps) kernels.gemm_f32(p.a, 0, p.groups, 0, m, tls.aligned_w(scratch_floats));
+    return;
+  }
+  std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);
+  // linear_f32_raw's items, over the parts together: up to 16 items per thread
+  // in all, each part's pairs of row groups cut into near-equal ranges in
+  // proportion to its share of the pairs, M into chunks of whole row tiles.
+  constexpr int64_t kItemsPerThread = 16;
+  const int64_t target = kItemsPerThread * pool->num_threads();
+  const int64_t m_chunk = m <= 2 * kF32RowsPerItem ? m : kF32RowsPerItem;
+  const int64_t m_items = (m + m_chunk - 1) / m_chunk;
+  struct Item {
+    int part;
+    int64_t g0, g1;
+  };
+  std::vector<Item> items;
+  for (size_t pi = 0; pi < ps.size(); ++pi) {
+    const Part& p = ps[pi];
+    const int64_t share = std::max<int64_t>(1, (target * p.pairs + total_pairs * m_items - 1) / (total_pairs * m_items));
+    const int64_t g_items = std::min(p.pairs, share);
+    for (int64_t gi = 0; gi < g_items; ++gi) {
+      items.push_back({static_cast<int>(pi), 2 * (gi * p.pairs / g_items),
+                       std::min(p.groups, 2 * ((gi + 1) * p.pairs / g_items))});
+    }
+  }
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  pool->run(n_items * m_items, [&](int64_t i, int) {
+    thread_local F32Scratch worker;
+    const Item& it = items[static_cast<size_t>(i % n_items)];
+    const int64_t mi = i / n_items;
+    kernels.gemm_f32(ps[static_cast<size_t>(it.part)].a, it.g0, it.g1, mi * m_chunk, std::min(m, (mi + 1) * m_chunk),
+                     worker.aligned_w(scratch_floats));
   });
 }
 

@@ -144,6 +144,16 @@ class QuantizedWeight {
   void linear_f32_raw(const float* x, int64_t m, float* out, const float* bias, int num_threads,
                       const QuantKernelTable& kernels) const;
 
+  // linear_f32 of several weights side by side, in one dispatch to the pool:
+  // out [m, sum N_i] (row stride ldo >= sum N_i) = x [m, K] . [W_0; W_1;
+  // ...]^T (+ bias [sum N_i], or nullptr), part i into its columns. The parts
+  // share K and may be of any types; each output is the very value the part's
+  // own linear_f32 gives (the same kernel per row group). Raw pointers,
+  // checked by the caller.
+  static void linear_f32_parts(const std::vector<const QuantizedWeight*>& parts, const float* x, int64_t m,
+                               float* out, int64_t ldo, const float* bias, int num_threads,
+                               const QuantKernelTable& kernels);
+
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
   // Throws KernelArgumentError where integer_kernels() is false.
