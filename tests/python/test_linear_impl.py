@@ -148,7 +148,7 @@ def test_the_throughput_benchmark_reports_the_path_and_quantisations_accuracy(ti
                      "--skip-sequential", "--repeat", "2", "--quantization", "int8"])
     out = capsys.readouterr().out
     assert out.count("run ") == 2 and "run 2/2: HF generate(), static batch" in out
-    assert "linear layers: int8: q8_0 blocks, int8 activations (no GGUF blocks" in out
+    assert "linear layers: int8: int8 activations; 0 layers on the GGUF's own blocks, 15 quantised here to q8_0" in out
     assert "decoder forward pagedserve (lean Llama forward; auto: a Llama-architecture model; " in out
     assert "| PagedServe |" in out and "| HF generate(), static batch |" in out
     assert made[0]["enable_prefix_caching"] is False and made[0]["dtype"] == "auto"
