@@ -9,8 +9,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <random>
 #include <string>
@@ -207,6 +209,21 @@ TEST(GGUFTypes, BadShapesRaise) {
                KernelArgumentError);
 }
 
+// run(r0, rows, threads) computes rows [r0, r0 + rows) of a batch alone: each
+// slice's output, on 1 and 2 threads, must be the bits of those rows of `all`
+// (the whole batch's [M, n] output).
+template <typename Run>
+void expect_slices_are_the_batchs_rows(const Run& run, const std::vector<float>& all, int64_t n,
+                                       std::initializer_list<std::array<int64_t, 2>> slices, QType q) {
+  for (const auto& sb : slices) {
+    for (int threads : {1, 2}) {
+      const std::vector<float> part = run(sb[0], sb[1], threads);
+      ASSERT_EQ(std::memcmp(part.data(), all.data() + sb[0] * n, part.size() * 4), 0)
+          << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
+    }
+  }
+}
+
 // ---- every variant: linear_f32 on the i8f tiles ----
 
 class GGUFTypesVariant : public ::testing::TestWithParam<std::string> {
@@ -284,14 +301,8 @@ TEST_P(GGUFTypesVariant, LinearF32MatchesADoubleReferenceAndIsBatchInvariant) {
         ASSERT_NEAR(all[i * n + j], sum, 1e-5 * scale + 1e-6) << qtype_name(q) << " [" << i << ", " << j << "]";
       }
     }
-    const int64_t subs[][2] = {{0, m}, {0, 1}, {18, 1}, {3, 2}, {4, 13}};
-    for (const auto& sb : subs) {
-      for (int threads : {1, 2}) {
-        const std::vector<float> part = run(sb[0], sb[1], threads);
-        ASSERT_EQ(std::memcmp(part.data(), all.data() + sb[0] * n, part.size() * 4), 0)
-            << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
-      }
-    }
+    expect_slices_are_the_batchs_rows(run, all, n, {{0, m}, {0, 1}, {18, 1}, {3, 2}, {4, 13}}, q);
+    if (HasFatalFailure()) return;
   }
 }
 
@@ -357,14 +368,8 @@ TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
             << qtype_name(q) << " against scalar [" << i << ", " << j << "]";
       }
     }
-    const int64_t subs[][2] = {{0, 1}, {10, 1}, {3, 5}, {4, 7}};
-    for (const auto& sb : subs) {
-      for (int threads : {1, 2}) {
-        const std::vector<float> part = run(sb[0], sb[1], threads);
-        ASSERT_EQ(std::memcmp(part.data(), got.data() + sb[0] * n, part.size() * 4), 0)
-            << qtype_name(q) << " rows [" << sb[0] << ", " << sb[0] + sb[1] << ") threads " << threads;
-      }
-    }
+    expect_slices_are_the_batchs_rows(run, got, n, {{0, 1}, {10, 1}, {3, 5}, {4, 7}}, q);
+    if (HasFatalFailure()) return;
   }
 }
 

@@ -352,7 +352,8 @@ inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, cons
 
 constexpr int kDecodedRowsPerPass = 4;
 
-inline __m256i bcast_dword(const int8_t* p) {  // the activation dword at p in every lane
+// The activation dword at p in every lane (the 256-bit integer kernels' operand: these and the decoded tiles').
+inline __m256i bcast_dword(const int8_t* p) {
   int32_t v;
   memcpy(&v, p, sizeof v);
   return _mm256_set1_epi32(v);
@@ -1002,12 +1003,6 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
 
 constexpr int kRowsPerPass = 4;
 
-inline __m256i bcast_x(const int8_t* p) {  // the activation dword at p in every lane
-  int32_t v;
-  memcpy(&v, p, sizeof v);
-  return _mm256_set1_epi32(v);
-}
-
 // out[r, c0 + j] = v[j] (+ bias) for j < min(8, N - c0): write_out's steps
 // (one float add, float_to_bf16's rounding) lane-wise; write_out itself at the
 // right edge.
@@ -1058,9 +1053,9 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
       for (int p = 0; p < 4; ++p) {
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
         const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], lo, bcast_x(xq + kQBlock * i + 4 * p));
+        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], lo, bcast_dword(xq + kQBlock * i + 4 * p));
         for (int i = 0; i < R; ++i) {
-          s[i] = _mm256_dpbusd_avx_epi32(s[i], hi, bcast_x(xq + kQBlock * i + 16 + 4 * p));
+          s[i] = _mm256_dpbusd_avx_epi32(s[i], hi, bcast_dword(xq + kQBlock * i + 16 + 4 * p));
         }
       }
 #else
@@ -1070,11 +1065,11 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
         const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 64 + 64 * p + 32 * h));
         const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
         for (int i = 0; i < R; ++i) {
-          const __m256i v = _mm256_maddubs_epi16(lo, bcast_x(xq + kQBlock * i + 4 * p));
+          const __m256i v = _mm256_maddubs_epi16(lo, bcast_dword(xq + kQBlock * i + 4 * p));
           p16[i] = p == 0 ? v : _mm256_add_epi16(p16[i], v);
         }
         for (int i = 0; i < R; ++i) {
-          p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, bcast_x(xq + kQBlock * i + 16 + 4 * p)));
+          p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(hi, bcast_dword(xq + kQBlock * i + 16 + 4 * p)));
         }
       }
       for (int i = 0; i < R; ++i) s[i] = _mm256_madd_epi16(p16[i], _mm256_set1_epi16(1));
@@ -1086,7 +1081,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
       for (int c = 0; c < 8; ++c) {
         const __m256i w =  // q + 128
             _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h)), flip);
-        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], w, bcast_x(xq + kQBlock * i + 4 * c));
+        for (int i = 0; i < R; ++i) s[i] = _mm256_dpbusd_avx_epi32(s[i], w, bcast_dword(xq + kQBlock * i + 4 * c));
       }
 #else
       const __m256i ones = _mm256_set1_epi16(1);
@@ -1095,7 +1090,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
         const __m256i aw = _mm256_sign_epi8(w, w);  // |q| (-128 -> 128 as u8)
         for (int i = 0; i < R; ++i) {
-          const __m256i sx = _mm256_sign_epi8(bcast_x(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
+          const __m256i sx = _mm256_sign_epi8(bcast_dword(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
           s[i] = _mm256_add_epi32(s[i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
         }
       }

@@ -495,49 +495,8 @@ void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const
   x.check_dtype(DType::kFloat32);
   const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
-  linear_f32_raw(x.ptr<float>(), m, out.ptr<float>(), bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
-                 active_quant_isa().table());
-}
-
-void QuantizedWeight::linear_f32_raw(const float* x, int64_t m, float* out, const float* bias, int num_threads,
-                                     const QuantKernelTable& kernels) const {
-  if (m <= 0) return;
-  const int64_t groups = (n_ + kQRows - 1) / kQRows;
-  thread_local F32Scratch tls;  // the calling thread's scratch (the pool's workers use their own)
-  QuantF32GemmArgs a{};
-  a.format = format_;
-  a.w = tiles_.get();
-  a.n = n_;
-  a.k = k_;
-  a.m = m;
-  a.x = x;
-  a.bias = bias;
-  a.out = out;
-  a.ldo = n_;
-  const int64_t scratch_floats = k_ * 2 * kQRows;  // two row groups' expanded weights
-  const int64_t inline_macs = ThreadPool::spin_micros() > 0 ? kInlineF32MacsSpinning : kInlineF32Macs;
-  if (num_threads == 1 || m * n_ * k_ < inline_macs) {
-    kernels.gemm_f32(a, 0, groups, 0, m, tls.aligned_w(scratch_floats));
-    return;
-  }
-  std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);
-  // Items as in linear_raw, N cut into near-equal ranges of row-group pairs
-  // (the AVX-512 kernel's unit), M into chunks of whole row tiles; up to 16
-  // items per thread, so a layer of a few dozen pairs (576 -> 576: 18) runs
-  // one pair per item and the dynamic scheduling evens the threads out.
-  constexpr int64_t kItemsPerThread = 16;
-  const int64_t threads = pool->num_threads();
-  const int64_t pairs = (groups + 1) / 2;
-  const int64_t m_chunk = m <= 2 * kF32RowsPerItem ? m : kF32RowsPerItem;
-  const int64_t m_items = (m + m_chunk - 1) / m_chunk;
-  const int64_t target = kItemsPerThread * threads;
-  const int64_t g_items = std::min(pairs, std::max<int64_t>(1, (target + m_items - 1) / m_items));
-  pool->run(g_items * m_items, [&](int64_t i, int) {
-    thread_local F32Scratch worker;  // this thread's expanded-weight scratch
-    const int64_t gi = i % g_items, mi = i / g_items;
-    const int64_t g0 = 2 * (gi * pairs / g_items), g1 = std::min(groups, 2 * ((gi + 1) * pairs / g_items));
-    kernels.gemm_f32(a, g0, g1, mi * m_chunk, std::min(m, (mi + 1) * m_chunk), worker.aligned_w(scratch_floats));
-  });
+  linear_f32_parts({this}, x.ptr<float>(), m, out.ptr<float>(), n_, bias != nullptr ? bias->ptr<float>() : nullptr,
+                   num_threads, active_quant_isa().table());
 }
 
 void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>& parts, const float* x, int64_t m,
@@ -579,9 +538,12 @@ void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>
     return;
   }
   std::shared_ptr<ThreadPool> pool = ThreadPool::get(num_threads);
-  // linear_f32_raw's items, over the parts together: up to 16 items per thread
-  // in all, each part's pairs of row groups cut into near-equal ranges in
-  // proportion to its share of the pairs, M into chunks of whole row tiles.
+  // Items as in linear_raw, over the parts together: N cut into near-equal
+  // ranges of row-group pairs (the AVX-512 kernel's unit), each part's in
+  // proportion to its share of the pairs, M into chunks of whole row tiles;
+  // up to 16 items per thread in all, so a layer of a few dozen pairs (576 ->
+  // 576: 18) runs one pair per item and the dynamic scheduling evens the
+  // threads out.
   constexpr int64_t kItemsPerThread = 16;
   const int64_t target = kItemsPerThread * pool->num_threads();
   const int64_t m_chunk = m <= 2 * kF32RowsPerItem ? m : kF32RowsPerItem;

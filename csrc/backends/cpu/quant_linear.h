@@ -139,12 +139,7 @@ class QuantizedWeight {
   // KernelArgumentError (before writing anything).
   void linear_f32(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads) const;
 
-  // linear_f32 on raw pointers (checked by the caller): x [m, K], out [m, N]
-  // float32, bias [N] or nullptr, with the given variant's kernels.
-  void linear_f32_raw(const float* x, int64_t m, float* out, const float* bias, int num_threads,
-                      const QuantKernelTable& kernels) const;
-
-  // linear_f32 of several weights side by side, in one dispatch to the pool:
+  // linear_f32 of several weights side by side (linear_f32 itself: one), in one dispatch to the pool:
   // out [m, sum N_i] (row stride ldo >= sum N_i) = x [m, K] . [W_0; W_1;
   // ...]^T (+ bias [sum N_i], or nullptr), part i into its columns. The parts
   // share K and may be of any types; each output is the very value the part's

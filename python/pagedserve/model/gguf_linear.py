@@ -30,7 +30,7 @@ import torch
 from .. import _core
 from . import tuner
 from .gguf_format import NATIVE_QTYPES, GGUFBlocks
-from .linear_method import LinearMethod
+from .linear_method import LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
 
@@ -224,10 +224,7 @@ class GGUFFloatMethod(LinearMethod):
             # a layer the file has no tensor for at all (a router, a projector) was never the blocks' to serve
             self.declined += sum(self.gguf.gguf_name(name) is not None for name in names)
             return None, why
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
-                              for lin in linears])
+        bias = fused_bias(linears)
         dense, _ = self.dense.build(linears, names)
         layer = GGUFFloatLinear(weight, bias, dense, self.max_rows)
         self.native += len(linears)

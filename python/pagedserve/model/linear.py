@@ -30,7 +30,7 @@ import torch
 
 from ..hardware import onednn_linear_unsupported
 from . import tuner
-from .linear_method import LinearMethod
+from .linear_method import LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
 
@@ -272,11 +272,11 @@ class DenseMethod(LinearMethod):
             weight = torch.cat([lin.weight.detach() for lin in linears])
             fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(lin.bias is not None for lin in linears),
                                     dtype=weight.dtype, device=weight.device)
+            bias = fused_bias(linears)
             with torch.no_grad():
                 fused.weight.copy_(weight)
-                if fused.bias is not None:
-                    fused.bias.copy_(torch.cat([lin.bias.detach() if lin.bias is not None else
-                                                torch.zeros(lin.out_features, dtype=weight.dtype) for lin in linears]))
+                if bias is not None:
+                    fused.bias.copy_(bias)  # float32 holds every bias value of the model's dtype exactly
         dtype = str(fused.weight.dtype).removeprefix("torch.")
         return make_linear(fused, self.name), f"{dtype} weights, {_NAMES.get(self.name, self.name)}"
 

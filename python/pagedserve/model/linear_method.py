@@ -64,6 +64,15 @@ class LinearMethod(ABC):
         """
 
 
+def fused_bias(modules: list[torch.nn.Module]) -> torch.Tensor | None:
+    """The bias of fused parts: [sum out_features] float32, each part's bias
+    (zeros for a part without one) in order; None when no part has one."""
+    if all(getattr(m, "bias", None) is None for m in modules):
+        return None
+    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
+                      for m in modules]).contiguous()
+
+
 def layer_type(names: list[str]) -> str:
     """The layer type of a (fused) layer's parts, for the log: their names
     without the layer index, joined by "+" (``self_attn.q_proj+self_attn.k_proj+
@@ -135,4 +144,4 @@ class LinearMethodTable:
         return "\n".join(lines)
 
 
-__all__ = ["LinearMethod", "LinearMethodTable", "layer_type"]
+__all__ = ["LinearMethod", "LinearMethodTable", "fused_bias", "layer_type"]

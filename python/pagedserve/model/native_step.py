@@ -28,6 +28,7 @@ import torch
 from .. import _core
 from .attention import ForwardContext, forward_context
 from .lean_llama import STATIC_ROPE_TYPES, NativeStepInfo
+from .linear_method import fused_bias
 
 
 @dataclass(frozen=True)
@@ -99,14 +100,6 @@ def _blocks(module: torch.nn.Module):
     from .gguf_linear import GGUFFloatLinear
 
     return module.weight_blocks if isinstance(module, GGUFFloatLinear) else None
-
-
-def _bias(modules: list[torch.nn.Module]) -> torch.Tensor | None:
-    """The concatenated float32 bias of fused parts (zeros for a part without one), or None when none has one."""
-    if all(getattr(m, "bias", None) is None for m in modules):
-        return None
-    return torch.cat([m.bias.detach().float() if m.bias is not None else torch.zeros(m.out_features)
-                      for m in modules]).contiguous()
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -220,7 +213,7 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                     optional["q_norm"], optional["k_norm"] = self._factor(a.q_norm), self._factor(a.k_norm)
                 native.add_layer(
                     [_blocks(x) for x in qkv], _blocks(a.o_proj), [_blocks(x) for x in gate_up], _blocks(m.down_proj),
-                    _bias(qkv), _bias([a.o_proj]), _bias(gate_up), _bias([m.down_proj]),
+                    fused_bias(qkv), fused_bias([a.o_proj]), fused_bias(gate_up), fused_bias([m.down_proj]),
                     self._factor(layer.input_layernorm), self._factor(pre_mlp), _eps(layer.input_layernorm),
                     _eps(pre_mlp), rope_table=self.rope_index[layer_type],
                     sliding_window=self.window if layer_type == "sliding_attention" else 0, **optional)

@@ -147,10 +147,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         measured = "" if gguf_ms is None else (
             f"; {gguf_ms.source}: ms per pass at " + "/".join(map(str, gguf_ms.ms["gguf"])) + " rows: " +
             ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values()) for k, t in gguf_ms.ms.items()))
-        rows = "calls of every size" if builder.serves_all else f"calls of up to {builder.max_rows} rows"
         larger = (f"no dense copy kept ({released})" if released else f"larger calls: {describe(choice)}")
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
-                f"{rows} ({builder.declined} layers dense{measured}); {larger}")
+                f"{_rows_served(builder)} ({builder.declined} layers dense{measured}); {larger}")
     else:
         path = describe(choice)
         if builder is not None:
@@ -158,10 +157,15 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                      f" (the gguf path measured slower here, {gguf_ms.source}: {gguf_ms.ms})")
     notes = {}
     if builder is not None and builder.layers:
-        notes["gguf"] = ("calls of every size" if builder.serves_all else
-                         f"calls of up to {builder.max_rows} rows, larger ones dense" if builder.max_rows > 0 else
+        notes["gguf"] = (_rows_served(builder) + ("" if builder.serves_all else ", larger ones dense")
+                         if builder.max_rows > 0 else
                          "measured slower at every row count: the dense layer serves every call")
     return PreparedModel(lean, why, impl, path, weight_bytes(model), table.summary(notes))
+
+
+def _rows_served(builder: GGUFFloatMethod) -> str:
+    """Which calls the gguf layers serve, for the log: "calls of every size" or "calls of up to N rows"."""
+    return "calls of every size" if builder.serves_all else f"calls of up to {builder.max_rows} rows"
 
 
 def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, linear_impl: str,

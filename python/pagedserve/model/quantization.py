@@ -30,7 +30,7 @@ import torch
 
 from .. import _core
 from .gguf_format import NATIVE_QTYPES, GGUFBlocks, quantize_rows
-from .linear_method import LinearMethod
+from .linear_method import LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
 
@@ -184,10 +184,7 @@ class QuantizedMethod(LinearMethod):
         own = sum(1 for _, _, o in parts if o)
         self.native += own
         self.requantized += len(parts) - own
-        bias = None
-        if any(lin.bias is not None for lin in linears):
-            bias = torch.cat([lin.bias.detach().float() if lin.bias is not None else torch.zeros(lin.out_features)
-                              for lin in linears])
+        bias = fused_bias(linears)
         runs = []  # consecutive parts of one type, their blocks concatenated: [(blocks, qtype)]
         for blocks, qtype, _ in parts:
             if runs and runs[-1][1] == qtype:
