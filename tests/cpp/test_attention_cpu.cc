@@ -55,9 +55,10 @@ struct IsaGuard {
 };
 
 // A random mixed batch (decodes, a chunk with earlier context, a long decode
-// that is split along the KV length), run under the active variant.
-std::vector<float> random_case_output(uint32_t seed) {
-  const int64_t H = 8, Hkv = 2, D = 64, bs = 16;
+// that is split along the KV length), run under the active variant: H query
+// heads on Hkv KV heads of head_dim D.
+std::vector<float> random_case_output(uint32_t seed, int64_t H = 8, int64_t Hkv = 2, int64_t D = 64) {
+  const int64_t bs = 16;
   std::vector<int32_t> q_lens{1, 24, 1, 5}, seq_lens{77, 64, 700, 130};
   std::mt19937 rng(seed);
   std::normal_distribution<float> normal;
@@ -93,7 +94,7 @@ std::vector<float> random_case_output(uint32_t seed) {
   EXPECT_GT(plan.num_split_groups(), 0);  // the long decode is split
   const int64_t nq = qsl.back();
   plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
-           0.125f);
+           1.f / std::sqrt(static_cast<float>(D)));
   return out;
 }
 
@@ -230,6 +231,8 @@ TEST(CpuIsa, EveryRunnableVariantGivesTheSameResult) {
     const double e0 = std::exp(0.5), e1 = std::exp(-0.5), z = e0 + e1 + 1.0;
     EXPECT_NEAR(t.out[0], (1 * e0 + 3 * e1 + 5) / z, 1e-6) << v.name;
     std::vector<float> out = random_case_output(7);
+    const std::vector<float> mqa = random_case_output(8, 4, 1, 256);  // Gemma 3's heads: the D = 256 tiles
+    out.insert(out.end(), mqa.begin(), mqa.end());
     if (reference.empty()) {
       reference = out;
       reference_isa = v.name;

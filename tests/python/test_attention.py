@@ -118,6 +118,13 @@ def test_decode_every_length_up_to_256(backend_cls, block_size, h, hkv):
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_with_head_size_256_and_one_kv_head(backend_cls, block_size):
+    # Gemma 3's shape (4 query heads on one KV head of 256): the fixed-size tile path, every length to 96
+    lens = list(range(1, 97))
+    check(build_case(backend_cls, 5, [1] * len(lens), lens, block_size, 4, 1, d=256))
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
 def test_long_sequences(backend_cls, block_size):
     # a lone long decode is split along the KV length by the C++ kernel
     check(build_case(backend_cls, 2, [1], [2048], block_size, 8, 2, d=64))
@@ -129,7 +136,7 @@ def test_prefill_from_scratch(backend_cls, n):
     check(build_case(backend_cls, 3, [n], [n], 16, 4, 2))
 
 
-@pytest.mark.parametrize("d", [32, 64, 128])  # 64 and 128 take the C++ kernel's fixed-size path
+@pytest.mark.parametrize("d", [32, 64, 128, 256])  # 64, 128 and 256 take the C++ kernel's fixed-size path
 def test_chunked_prefill_with_earlier_context_and_mixed_batch(backend_cls, d):
     # decodes, a chunk after 40 cached tokens, a full prefill, a chunk ending mid-block
     q_lens = [1, 24, 33, 1, 5]

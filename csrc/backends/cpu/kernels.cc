@@ -8,7 +8,7 @@
 // FlashAttention, Dao et al. 2022), K/V read in place. Long decodes split
 // along the KV length are merged by log-sum-exp (flash-decoding, Dao et al. 2023).
 //
-// Block sizes 16 and 32 with head_dim 64 or 128 take the tile path: a work
+// Block sizes 16 and 32 with head_dim 64, 128 or 256 take the tile path: a work
 // item's G * q_len query rows (the query heads sharing a KV head, each of its
 // query tokens) go through each span of kTileKeys keys (two blocks of 16) in
 // tiles of several rows, so every key and value row is loaded once per tile
@@ -333,6 +333,8 @@ TileFn fixed_tile(int64_t bs, int64_t d, int rows) {
   if (bs == 16 && d == 128) return tile_for_rows<16, 128>(rows);
   if (bs == 32 && d == 64) return tile_for_rows<32, 64>(rows);
   if (bs == 32 && d == 128) return tile_for_rows<32, 128>(rows);
+  if (bs == 16 && d == 256) return tile_for_rows<16, 256>(rows);  // Gemma 2 / 3
+  if (bs == 32 && d == 256) return tile_for_rows<32, 256>(rows);
   return nullptr;
 }
 
