@@ -42,6 +42,12 @@ CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
 # calls do the same work per row)
 UNBOUNDED_ROWS = 2**31 - 1
 FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the blocks serve every call
+# How much faster (ratio of ms per pass) the dense path must measure at a row count for the blocks to give
+# that count up. A dense layer holds a float32 copy of the weights, 4-7x the file's bytes (Gemma 3 270M:
+# 1.9 GiB beside a 241 MiB file); a few percent at prefill sizes is not worth that, nor worth calling two
+# paths' summation orders one model's. Measured on a 2-core AVX-512 Xeon: Gemma 3's layers at 128 rows,
+# blocks 272 ms, dense 252 (1.08x): the blocks keep them.
+DENSE_MIN_GAIN = 1.25
 
 
 @dataclass
@@ -164,6 +170,25 @@ def step_kernel_between(num_threads: int, tokens: int = 32, num_kv_heads: int = 
     return lambda: _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slots, num_threads)
 
 
+def row_bound(ms: dict, rows) -> int:
+    """The largest call (rows) the blocks serve, from tune's measurement: the
+    largest measured row count up to which the dense path was not
+    DENSE_MIN_GAIN times faster at any count (0: it was at one row already);
+    UNBOUNDED_ROWS when that is every measured count (the largest, 128 rows,
+    is compute-bound on both paths: larger calls do the same work per row).
+
+    Args:
+        ms: {"gguf": {rows: ms}, "dense": {rows: ms}}, ms per pass over the layers.
+        rows: the measured row counts.
+    """
+    max_rows = 0
+    for r in sorted(rows):
+        if ms["gguf"][r] > DENSE_MIN_GAIN * ms["dense"][r]:
+            break
+        max_rows = r
+    return UNBOUNDED_ROWS if max_rows == max(rows) else max_rows
+
+
 class GGUFFloatMethod(LinearMethod):
     """The linear method of the ``gguf`` path (a LinearMethod): GGUFFloatLinear
     layers on the GGUF file's own blocks, for each (fused) layer whose parts
@@ -237,9 +262,9 @@ class GGUFFloatMethod(LinearMethod):
         """Measures, on the first layer of each distinct shape (counted as often as
         the model has it), one pass over the layers on the blocks and on the dense
         path at each row count (tuner.measure: alternating rounds, best of each),
-        and sets every layer's max_rows to the largest measured row count up to
-        which the blocks were faster at every count (0: never; UNBOUNDED_ROWS
-        when that is every measured count, and release_dense may then drop the
+        and sets every layer's max_rows by row_bound (the dense path must be
+        DENSE_MIN_GAIN times faster to take a row count from the blocks;
+        UNBOUNDED_ROWS where it never is, and release_dense may then drop the
         dense layers). The result is
         cached per machine and shape set by the tuner's rules (never a noisy
         measurement); a cached one is applied without measuring.
@@ -255,7 +280,8 @@ class GGUFFloatMethod(LinearMethod):
             by_shape.setdefault((layer.in_features, layer.out_features), []).append(layer)
         what = {"shapes": sorted([k, n, len(v), v[0].weight_blocks.qtype] for (k, n), v in by_shape.items()),
                 "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()}),
-                "above_largest": "blocks"}  # the rule for calls above the largest measured count
+                "above_largest": "blocks",  # the rule for calls above the largest measured count
+                "dense_min_gain": DENSE_MIN_GAIN}
         cache = tuner.TunerCache(CACHE_NAME)
         entry = cache.get(what) if use_cache else None
         ms_ok = entry is not None and isinstance(entry.get("ms"), dict) and {"gguf", "dense"} <= set(entry["ms"])
@@ -273,13 +299,7 @@ class GGUFFloatMethod(LinearMethod):
                                  max_rounds=max_rounds, after=step_kernel_between(torch.get_num_threads()),
                                  clock=clock, probe=probe)
         ms = measured.ms
-        max_rows = 0
-        for r in sorted(rows):
-            if ms["gguf"][r] >= ms["dense"][r]:
-                break
-            max_rows = r
-        if max_rows == max(rows):  # faster at every measured count: larger calls stay on the blocks too
-            max_rows = UNBOUNDED_ROWS
+        max_rows = row_bound(ms, rows)
         self.set_max_rows(max_rows)
         if use_cache:
             cache.put(what, {"max_rows": max_rows, "ms": ms}, measured)
