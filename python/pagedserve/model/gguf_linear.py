@@ -37,9 +37,9 @@ logger = logging.getLogger(__name__)
 # Row counts the start-up measurement times (decode batch sizes, and one prefill-like size).
 TUNE_ROWS = (1, 8, 32, 128)
 CACHE_NAME = "gguf_rows"  # $PAGEDSERVE_CACHE/gguf_rows.json
-# max_rows of layers whose blocks serve every call: asked for by name (--linear-impl gguf), or the blocks were
-# faster at every measured row count (the largest, 128 rows, is already compute-bound on both paths: larger
-# calls do the same work per row)
+# max_rows of layers whose blocks serve every call: asked for by name (--linear-impl gguf), or no measured row
+# count gave them up (row_bound; the largest, 128 rows, is already compute-bound on both paths: larger calls
+# do the same work per row)
 UNBOUNDED_ROWS = 2**31 - 1
 FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the blocks serve every call
 # How much faster (ratio of ms per pass) the dense path must measure at a row count for the blocks to give
@@ -174,8 +174,7 @@ def row_bound(ms: dict, rows) -> int:
     """The largest call (rows) the blocks serve, from tune's measurement: the
     largest measured row count up to which the dense path was not
     DENSE_MIN_GAIN times faster at any count (0: it was at one row already);
-    UNBOUNDED_ROWS when that is every measured count (the largest, 128 rows,
-    is compute-bound on both paths: larger calls do the same work per row).
+    UNBOUNDED_ROWS when that is every measured count.
 
     Args:
         ms: {"gguf": {rows: ms}, "dense": {rows: ms}}, ms per pass over the layers.
@@ -307,8 +306,8 @@ class GGUFFloatMethod(LinearMethod):
 
     @property
     def serves_all(self) -> bool:
-        """The blocks serve calls of any size (tune found them faster at every
-        measured row count): the dense layers are not needed."""
+        """The blocks serve calls of any size (no measured row count gave them
+        up, see row_bound): the dense layers are not needed."""
         return self.max_rows >= UNBOUNDED_ROWS
 
     def release_dense(self) -> int:
