@@ -409,9 +409,10 @@ TEST_P(QuantLinearVariant, LinearF32MatchesTheDequantisedWeightsInDouble) {
   std::mt19937 rng(31);
   std::normal_distribution<float> nd(0.f, 1.f);
   // N = 960 at K = 576 (60 row groups, several K ranges, the pool's split) at
-  // fewer M: the emulated-CPU runs (qemu-user AVX2) of the full grid take minutes
-  const std::vector<int64_t> all_m = {0, 1, 3, 5, 8, 12, 13, 32, 33, 100}, few_m = {1, 8, 13, 33};
-  const int64_t max_m = 100;
+  // fewer M: the emulated-CPU runs (qemu-user AVX2) of the full grid take minutes; M = 200: several
+  // row chunks per call on the pool (96 rows each)
+  const std::vector<int64_t> all_m = {0, 1, 3, 5, 8, 12, 13, 32, 33, 100, 200}, few_m = {1, 8, 13, 33};
+  const int64_t max_m = 200;
   for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
     for (int64_t n : {16, 40, 960}) {
       for (int64_t k : {32, 576}) {

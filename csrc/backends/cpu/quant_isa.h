@@ -118,9 +118,9 @@ struct QuantKernelTable {
   // min(N, 16*g1)).
   void (*gemm)(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
   // Computes out rows [m0, m1) (m0 a multiple of kF32Rows) x row groups
-  // [g0, g1) of gemm_f32. scratch: 64-byte aligned room for K * 32 floats
-  // (the expanded weights of two row groups, reused by every row tile when
-  // [m0, m1) spans more than one). A row's result does not depend on m0, m1,
+  // [g0, g1) of gemm_f32. scratch: 64-byte aligned room for K * 48 floats
+  // (the expanded weights of up to three row groups, reused by every row tile
+  // when [m0, m1) spans more than one). A row's result does not depend on m0, m1,
   // g0, g1 or the thread.
   void (*gemm_f32)(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
 };

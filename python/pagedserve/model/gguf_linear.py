@@ -48,6 +48,10 @@ FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the bloc
 # paths' summation orders one model's. Measured on a 2-core AVX-512 Xeon: Gemma 3's layers at 128 rows,
 # blocks 272 ms, dense 252 (1.08x): the blocks keep them.
 DENSE_MIN_GAIN = 1.25
+# The blocks kernels' revision, part of the tuner cache's key: raised whenever their speed changes (the
+# package version does not change between commits), so a measurement of the older kernels is taken again.
+# 2: linear_f32's scratch path runs tiles of 3 row groups x 8 rows (2026-12-03).
+BLOCKS_KERNEL_REVISION = 2
 
 
 @dataclass
@@ -280,7 +284,7 @@ class GGUFFloatMethod(LinearMethod):
         what = {"shapes": sorted([k, n, len(v), v[0].weight_blocks.qtype] for (k, n), v in by_shape.items()),
                 "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()}),
                 "above_largest": "blocks",  # the rule for calls above the largest measured count
-                "dense_min_gain": DENSE_MIN_GAIN}
+                "dense_min_gain": DENSE_MIN_GAIN, "blocks_kernel": BLOCKS_KERNEL_REVISION}
         cache = tuner.TunerCache(CACHE_NAME)
         entry = cache.get(what) if use_cache else None
         ms_ok = entry is not None and isinstance(entry.get("ms"), dict) and {"gguf", "dense"} <= set(entry["ms"])
