@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <cstdlib>
 #include <algorithm>
 #include <iostream>
@@ -253,4 +254,88 @@ TEST(CpuIsa, AVariantThisCpuCannotRunIsRefusedNotExecuted) {
   for (const IsaVariant& v : compiled_isas()) {
     if (!v.supported()) EXPECT_THROW(set_active_isa(v.name), InvalidArgumentError) << v.name;
   }
+}
+
+namespace {
+
+// The bits of query token `row` (all heads) of `seq` in a step of several
+// sequences: sequence b has q_lens[b] query tokens, the last of its
+// seq_lens[b] positions; every sequence's K/V are the same random rows
+// (position p of any sequence holds key p, value p, of each KV head), so a
+// query token sees the same keys whichever sequence and step it is in.
+std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::vector<int32_t>& seq_lens, int64_t seq,
+                               int64_t row, int64_t H, int64_t Hkv, int64_t D, int threads) {
+  const int64_t bs = 16, max_len = 300;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal;
+  std::vector<float> key(max_len * Hkv * D), value(key.size()), qrow(max_len * H * D);
+  for (float& x : key) x = normal(rng);
+  for (float& x : value) x = normal(rng);
+  for (float& x : qrow) x = normal(rng);  // the query of position p: qrow[p]
+  const int64_t B = static_cast<int64_t>(seq_lens.size());
+  const int32_t max_blocks = static_cast<int32_t>((max_len + bs - 1) / bs);
+  const int64_t num_blocks = B * max_blocks;
+  std::vector<int32_t> tables(B * max_blocks), qsl{0};
+  for (int64_t i = 0; i < B * max_blocks; ++i) tables[i] = static_cast<int32_t>(num_blocks - 1 - i);  // scattered
+  std::vector<float> k_cache(num_blocks * Hkv * D * bs, 0.f), v_cache = k_cache, query;
+  auto kc = arg(k_cache, {num_blocks, Hkv, D, bs}, DType::kFloat32, "k_cache");
+  auto vc = arg(v_cache, {num_blocks, Hkv, bs, D}, DType::kFloat32, "v_cache");
+  for (int64_t b = 0; b < B; ++b) {
+    std::vector<int64_t> slots;
+    for (int32_t p = 0; p < seq_lens[b]; ++p) slots.push_back(tables[b * max_blocks + p / bs] * int64_t{bs} + p % bs);
+    const int64_t T = seq_lens[b];
+    std::vector<float> kb(key.begin(), key.begin() + T * Hkv * D), vb(value.begin(), value.begin() + T * Hkv * D);
+    reshape_and_cache(arg(kb, {T, Hkv, D}, DType::kFloat32, "key"), arg(vb, {T, Hkv, D}, DType::kFloat32, "value"),
+                      kc, vc, arg(slots, {T}, DType::kInt64, "slot_mapping"));
+    for (int32_t p = seq_lens[b] - q_lens[b]; p < seq_lens[b]; ++p) {
+      query.insert(query.end(), qrow.begin() + p * H * D, qrow.begin() + (p + 1) * H * D);
+    }
+    qsl.push_back(qsl.back() + q_lens[b]);
+  }
+  const int64_t nq = qsl.back();
+  std::vector<float> out(query.size());
+  AttentionPlan plan(arg(qsl, {B + 1}, DType::kInt32, "qsl"), arg(seq_lens, {B}, DType::kInt32, "seq_lens"),
+                     arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true,
+                     threads);
+  EXPECT_EQ(plan.num_split_groups(), 0);  // short sequences: no split along the KV length
+  plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
+           0.125f);
+  std::vector<uint32_t> bits(H * D);
+  std::memcpy(bits.data(), out.data() + (qsl[seq] + row) * H * D, bits.size() * sizeof(float));
+  return bits;
+}
+
+}  // namespace
+
+// Batch invariance of the kernel: a query token's output is the same bits
+// whatever else its step holds: alone (a decode), as the last row of a chunk
+// or of a whole prefill, beside other sequences' decodes and chunks, and on 1
+// or 2 threads; for MHA (one row per KV head in a decode, a full tile of rows
+// in a prefill) and GQA, in every variant this CPU runs. Split-KV (a long
+// decode in a small step) is outside this: its merge sums in another order.
+TEST(AttentionCpu, AQueryTokensOutputDoesNotDependOnTheRestOfItsStep) {
+  IsaGuard guard;
+  int ran = 0;
+  for (const IsaVariant& v : compiled_isas()) {
+    if (!v.supported()) continue;
+    set_active_isa(v.name);
+    for (const auto& heads : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {6, 2}, {4, 1}}) {
+      const int64_t H = heads.first, Hkv = heads.second, D = 64;
+      for (int32_t len : {1, 17, 70, 200}) {
+        const auto alone = row_bits({1}, {len}, 0, 0, H, Hkv, D, 1);
+        const auto expect_same = [&](const std::vector<uint32_t>& got, const char* what) {
+          EXPECT_EQ(got, alone) << v.name << " H=" << H << " Hkv=" << Hkv << " len=" << len << ": " << what;
+        };
+        expect_same(row_bits({1}, {len}, 0, 0, H, Hkv, D, 2), "alone on 2 threads");
+        expect_same(row_bits({len}, {len}, 0, len - 1, H, Hkv, D, 2), "the last row of the whole prefill");
+        if (len >= 5) expect_same(row_bits({5}, {len}, 0, 4, H, Hkv, D, 1), "the last row of a 5-token chunk");
+        if (len >= 20) expect_same(row_bits({19}, {len}, 0, 18, H, Hkv, D, 2), "the last row of a 19-token chunk");
+        expect_same(row_bits({3, 1, 1}, {40, 90, len}, 2, 0, H, Hkv, D, 2), "a decode beside a chunk and a decode");
+        expect_same(row_bits({1, 1, 1, 1, 1, 1, 1, 1}, {len, 9, 33, 64, 65, 128, 250, 3}, 0, 0, H, Hkv, D, 2),
+                    "the first of 8 decodes");
+      }
+    }
+    ++ran;
+  }
+  EXPECT_GE(ran, 1);
 }

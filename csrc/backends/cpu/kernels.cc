@@ -164,8 +164,10 @@ inline bf16 from_float(float x, const bf16*) { return float_to_bf16(x); }
 template <int BS, int D, int R, int NB, int NBA>
 void tile_scores(const float* q, const float* const* kt, const float* const* pf, float (*s)[NB * BS]) {
   constexpr int KEYS = NB * BS;
-  constexpr int kVecs = R * (NBA * BS / kVecFloats >= 1 ? NBA * BS / kVecFloats : 1);  // score vectors
-  constexpr int KS = clamp_int(pow2_floor(12 / kVecs), 1, 8);
+  // One partial sum per score (the sum over i in order): a row's scores are then the same bits whatever
+  // other rows share the tile (R) and whichever of its blocks the tile scores (NBA): batch invariance.
+  // (KS = 12 / score vectors, up to 8, gave a lone row more FMA chains but other sums than in a full tile.)
+  constexpr int KS = 1;
   constexpr int kRowBytes = BS * static_cast<int>(sizeof(float));  // one key row (i) of a block
   static_assert(D % KS == 0, "tile shape");
   float part[KS][R][NBA * BS];
@@ -225,9 +227,10 @@ void tile_scores(const float* q, const float* const* kt, const float* const* pf,
 // pf: nullptr, or the NB key and NB value blocks read next, prefetched while
 // the scores are computed.
 //
-// Scores: each key row is loaded (and widened from bfloat16) once per step,
-// and every score vector has KS independent partial sums (over i mod KS), so
-// enough FMA chains are in flight. Softmax: the masked max, exp and sums run
+// Scores: each key row is loaded (and widened from bfloat16) once per step;
+// a score is one sum over the head dimension in order, the same for a row
+// whatever other rows share its tile (the R rows' score vectors are the
+// independent FMA chains in flight). Softmax: the masked max, exp and sums run
 // across the lanes. PV: the accumulator is updated in column chunks of DC
 // floats held in registers, each value row loaded once per chunk.
 template <int BS, int D, int R>
