@@ -264,7 +264,7 @@ namespace {
 // (position p of any sequence holds key p, value p, of each KV head), so a
 // query token sees the same keys whichever sequence and step it is in.
 std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::vector<int32_t>& seq_lens, int64_t seq,
-                               int64_t row, int64_t H, int64_t Hkv, int64_t D, int threads) {
+                               int64_t row, int64_t H, int64_t Hkv, int64_t D, int threads, int64_t window = 0) {
   const int64_t bs = 16, max_len = 300;
   std::mt19937 rng(5);
   std::normal_distribution<float> normal;
@@ -296,7 +296,7 @@ std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::ve
   std::vector<float> out(query.size());
   AttentionPlan plan(arg(qsl, {B + 1}, DType::kInt32, "qsl"), arg(seq_lens, {B}, DType::kInt32, "seq_lens"),
                      arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true,
-                     threads);
+                     threads, window);
   EXPECT_EQ(plan.num_split_groups(), 0);  // short sequences: no split along the KV length
   plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
            0.125f);
@@ -319,12 +319,18 @@ TEST(AttentionCpu, AQueryTokensOutputDoesNotDependOnTheRestOfItsStep) {
   for (const IsaVariant& v : compiled_isas()) {
     if (!v.supported()) continue;
     set_active_isa(v.name);
-    for (const auto& heads : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {6, 2}, {4, 1}}) {
+    for (const auto& heads : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {6, 2}, {4, 1}})
+    for (int64_t window : {0, 40}) {  // 40: a sliding window narrower than the longer sequences
       const int64_t H = heads.first, Hkv = heads.second, D = 64;
       for (int32_t len : {1, 17, 70, 200}) {
+        const auto row_bits = [&](const std::vector<int32_t>& q, const std::vector<int32_t>& l, int64_t seq,
+                                  int64_t row, int64_t h, int64_t hkv, int64_t d, int threads) {
+          return ::row_bits(q, l, seq, row, h, hkv, d, threads, window);
+        };
         const auto alone = row_bits({1}, {len}, 0, 0, H, Hkv, D, 1);
         const auto expect_same = [&](const std::vector<uint32_t>& got, const char* what) {
-          EXPECT_EQ(got, alone) << v.name << " H=" << H << " Hkv=" << Hkv << " len=" << len << ": " << what;
+          EXPECT_EQ(got, alone) << v.name << " H=" << H << " Hkv=" << Hkv << " window=" << window << " len=" << len
+                                << ": " << what;
         };
         expect_same(row_bits({1}, {len}, 0, 0, H, Hkv, D, 2), "alone on 2 threads");
         expect_same(row_bits({len}, {len}, 0, len - 1, H, Hkv, D, 2), "the last row of the whole prefill");

@@ -382,13 +382,14 @@ inline const T* block_at(const KernelArgs& a, const T* cache, const WorkItem& it
 }
 
 // The K and V blocks of the tile of item `it` starting at block j (NB blocks;
-// past the item's last block, repeats of block j, whose keys are masked).
+// before the item's first block or past its last, repeats of a block of the
+// item, whose keys are masked: no row of the item sees those positions).
 template <typename T, int NB>
 inline void tile_blocks(const KernelArgs& a, const WorkItem& it, int64_t j, const T** k, const T** v) {
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int b = 0; b < NB; ++b) {
-    const int64_t jb = j + b < it.j1 ? j + b : j;
+    const int64_t jb = j + b < it.j0 ? it.j0 : (j + b < it.j1 ? j + b : imax(j, it.j0));
     k[b] = block_at(a, k_cache, it, jb);
     v[b] = block_at(a, v_cache, it, jb);
   }
@@ -433,7 +434,11 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
   const TileFn last = fixed_tile(BS, d, static_cast<int>(rows - (ntiles - 1) * kTileRows));
   for (int64_t r = 0; r < rows * KEYS; ++r) sc.lsum[r] = 0.f;
 
-  for (int64_t j = it.j0; j < it.j1; j += NB) {
+  // Tiles start at multiples of NB blocks, wherever the item starts (under a sliding window, at the
+  // first block its first row sees): a row then meets the same tiles, the same online-softmax steps, in
+  // any item, alone or in a chunk (batch invariance); the leading blocks before the item's are masked,
+  // as no row of the item sees them. Not a split's item: the keys before it are another split's.
+  for (int64_t j = it.split >= 0 ? it.j0 : it.j0 - it.j0 % NB; j < it.j1; j += NB) {
     const T* kt[NB];
     const T* vt[NB];
     tile_blocks<T, NB>(a, it, j, kt, vt);
