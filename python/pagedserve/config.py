@@ -109,6 +109,11 @@ class EngineArgs:
         "GGUF blocks (the gguf path) and the step fits its row bound: Llama's lean forward, and Gemma 3 / Qwen 2 / "
         "Qwen 3 over their Hugging Face modules; --no-native-step runs the same kernels one Python call at a time "
         "(Llama: the same results, bit for bit; the others: the modules' own norms and activations)"))
+    batch_invariant: bool = field(default=True, metadata=_arg(
+        "a request's logits do not depend on what else its steps hold (the cpu backend's attention: a step of few "
+        "sequences is split over query heads); --no-batch-invariant lets a long decode in such a step be split along "
+        "the KV length instead (flash-decoding), faster there (SmolLM2 at 1,500 tokens, one user: ~10 vs ~12 ms per "
+        "token) but the merge rounds differently than a whole pass"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "

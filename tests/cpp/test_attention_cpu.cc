@@ -91,7 +91,8 @@ std::vector<float> random_case_output(uint32_t seed, int64_t H = 8, int64_t Hkv 
                     kc, vc, arg(slots, {T}, DType::kInt64, "slot_mapping"));
   const int64_t B = static_cast<int64_t>(seq_lens.size());
   AttentionPlan plan(arg(qsl, {B + 1}, DType::kInt32, "qsl"), arg(seq_lens, {B}, DType::kInt32, "seq_lens"),
-                     arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true, 4);
+                     arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true, 4,
+                     0, /*split_kv=*/true);
   EXPECT_GT(plan.num_split_groups(), 0);  // the long decode is split
   const int64_t nq = qsl.back();
   plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
@@ -297,7 +298,10 @@ std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::ve
   AttentionPlan plan(arg(qsl, {B + 1}, DType::kInt32, "qsl"), arg(seq_lens, {B}, DType::kInt32, "seq_lens"),
                      arg(tables, {B, max_blocks}, DType::kInt32, "block_tables"), H, Hkv, D, bs, num_blocks, true,
                      threads, window);
-  EXPECT_EQ(plan.num_split_groups(), 0);  // short sequences: no split along the KV length
+  EXPECT_EQ(plan.num_split_groups(), 0);  // never split along the KV length unless asked (split_kv)
+  if (threads > 1 && B == 1 && q_lens[0] == 1 && H > Hkv) {
+    EXPECT_GT(plan.num_work_items(), Hkv);  // a lone decode's items are split over their query heads
+  }
   plan.run(arg(out, {nq, H, D}, DType::kFloat32, "out"), arg(query, {nq, H, D}, DType::kFloat32, "query"), kc, vc,
            0.125f);
   std::vector<uint32_t> bits(H * D);
@@ -311,7 +315,8 @@ std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::ve
 // whatever else its step holds: alone (a decode), as the last row of a chunk
 // or of a whole prefill, beside other sequences' decodes and chunks, and on 1
 // or 2 threads; for MHA (one row per KV head in a decode, a full tile of rows
-// in a prefill) and GQA, in every variant this CPU runs. Split-KV (a long
+// in a prefill) and GQA, in every variant this CPU runs; on 2 threads a lone
+// decode's items are split over their query heads. Split-KV (split_kv, a long
 // decode in a small step) is outside this: its merge sums in another order.
 TEST(AttentionCpu, AQueryTokensOutputDoesNotDependOnTheRestOfItsStep) {
   IsaGuard guard;

@@ -126,7 +126,7 @@ def test_decode_with_head_size_256_and_one_kv_head(backend_cls, block_size):
 
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_long_sequences(backend_cls, block_size):
-    # a lone long decode is split along the KV length by the C++ kernel
+    # a lone long decode is split over its query heads by the C++ kernel
     check(build_case(backend_cls, 2, [1], [2048], block_size, 8, 2, d=64))
     check(build_case(backend_cls, 2, [1, 1, 7], [1000, 2048, 1500], block_size, 8, 2, d=64))
 
@@ -190,9 +190,11 @@ def test_a_decode_past_the_window_reads_only_in_window_blocks():
     case = _cpu_case(18, [1], [1000], 16, 8, 2, d=64)
     plans = case.backend.make_plan(case.md)
     full, windowed = plans.for_window(None), plans.for_window(64)
-    # 63 blocks per KV head without a window; the 64-key window spans at most 5 blocks of 16
-    assert full.num_blocks_visited == 2 * 63
-    assert windowed.num_blocks_visited <= 2 * 5
+    # 63 blocks per KV head without a window; the 64-key window spans at most 5 blocks of 16 (per work item:
+    # on several threads a lone decode's items are split over the group's query heads, each reading the blocks)
+    assert full.num_work_items % 2 == 0 and windowed.num_work_items % 2 == 0
+    assert full.num_blocks_visited == full.num_work_items * 63
+    assert windowed.num_blocks_visited <= windowed.num_work_items * 5
     assert plans.for_window(64) is windowed  # built once per step and window, shared by the layers
 
 
@@ -374,9 +376,19 @@ def test_cpu_kernel_scratch_is_independent_of_sequence_length():
     assert _core.cpu.paged_attention_scratch_bytes(12, 12, 64, 32) > small
 
 
-def test_cpu_plan_reports_its_variant_and_splits_long_decodes():
+def test_cpu_plan_reports_its_variant_and_splits_a_lone_decode_over_heads_or_kv_length():
     case = _cpu_case(11, [1], [2048], 16, 8, 2)
     plan = case.backend.make_plan(case.md).for_window(None)
     assert plan.isa == _core.cpu.kernel_isa()
+    assert plan.num_split_groups == 0  # by default never along the KV length (batch invariance)
     if plan.num_threads > 1:
-        assert plan.num_split_groups > 0  # 2 KV heads cannot keep the threads busy: split along the KV length
+        assert plan.num_work_items > 2  # 2 KV heads cannot keep the threads busy: split over their query heads
+    md, s = case.md, case.backend.spec
+    split = _core.cpu.AttentionPlan(md.query_start_loc, md.seq_lens, md.block_tables, s.num_heads, s.num_kv_heads,
+                                    s.head_dim, s.block_size, s.num_blocks, True, 2, 0, split_kv=True)
+    assert split.num_split_groups > 0  # flash-decoding, when asked
+    scale = s.head_dim ** -0.5
+    out = torch.empty_like(case.query)
+    split.run(out, case.query, case.k_cache, case.v_cache, scale, 0.0)
+    torch.testing.assert_close(out, case.backend.paged_attention(case.query, case.k_cache, case.v_cache,
+                                                                 case.backend.make_plan(md), scale))

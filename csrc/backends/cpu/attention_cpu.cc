@@ -113,7 +113,7 @@ void reshape_and_cache(const TensorArg& key, const TensorArg& value, const Tenso
 AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens,
                              const TensorArg& block_tables, int64_t num_heads, int64_t num_kv_heads,
                              int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal, int num_threads,
-                             int64_t sliding_window)
+                             int64_t sliding_window, bool split_kv)
     : g_(check_attention_metadata(query_start_loc, seq_lens, block_tables, num_heads, num_kv_heads, head_dim,
                                   block_size, num_blocks)),
       causal_(causal),
@@ -138,8 +138,15 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
     const int64_t q_len = qsl[b + 1] - qsl[b];
     if (q_len > 0) base_items += g_.num_kv_heads * ((q_len + kQueryChunk - 1) / kQueryChunk);
   }
+  // Too few items to keep the threads busy: split each over its query heads (a row's result does not
+  // change: batch invariant), or, with split_kv, long decodes along the KV length (flash-decoding; the
+  // merge sums in another order than one item would, so a token's output then depends on the step).
   const int64_t target = 4 * static_cast<int64_t>(std::max(num_threads, 1));
-  const int64_t split_factor = base_items > 0 && base_items < target ? (target + base_items - 1) / base_items : 1;
+  const bool few = base_items > 0 && base_items < target;
+  const int64_t more = few ? (target + base_items - 1) / base_items : 1;
+  const int64_t split_factor = split_kv ? more : 1;
+  const int32_t G = static_cast<int32_t>(g_.group());
+  const int32_t head_parts = split_kv ? 1 : static_cast<int32_t>(std::min<int64_t>(G, more));
   for (int32_t b = 0; b < g_.num_seqs; ++b) {
     const int32_t q_len = qsl[b + 1] - qsl[b];
     if (q_len == 0) continue;
@@ -161,7 +168,7 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
         split_groups_.push_back({b, hk, splits, static_cast<int64_t>(items_.size())});
         const int32_t per = (nb - j_start + splits - 1) / splits;
         for (int32_t sp = 0; sp < splits; ++sp) {
-          items_.push_back({b, hk, 0, 1, j_start + sp * per, std::min(nb, j_start + (sp + 1) * per), sp});
+          items_.push_back({b, hk, 0, 1, j_start + sp * per, std::min(nb, j_start + (sp + 1) * per), sp, 0, G});
         }
         continue;
       }
@@ -169,8 +176,11 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
         const int32_t q1 = std::min(q_len, q0 + kQueryChunk);
         // causal: the chunk's last query sees keys up to its own position
         const int64_t last_pos = causal ? seq_len - q_len + q1 - 1 : seq_len - 1;
-        items_.push_back({b, hk, q0, q1, first_block(seq_len - q_len + q0),
-                          static_cast<int32_t>(last_pos / g_.block_size + 1), -1});
+        for (int32_t hp = 0; hp < head_parts; ++hp) {
+          items_.push_back({b, hk, q0, q1, first_block(seq_len - q_len + q0),
+                            static_cast<int32_t>(last_pos / g_.block_size + 1), -1, hp * G / head_parts,
+                            (hp + 1) * G / head_parts});
+        }
       }
     }
   }
@@ -187,7 +197,7 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   // pool and a few us inline)
   constexpr int64_t kInlineWork = 16384;
   int64_t work = 0;
-  for (const WorkItem& it : items_) work += int64_t{it.j1 - it.j0} * g_.block_size * (it.q1 - it.q0) * g_.group();
+  for (const WorkItem& it : items_) work += int64_t{it.j1 - it.j0} * g_.block_size * (it.q1 - it.q0) * (it.g1 - it.g0);
   run_inline_ = work < kInlineWork;
   pool_ = ThreadPool::get(num_threads);
   scratch_.assign(pool_->num_threads(),

@@ -10,9 +10,12 @@
 // A step builds one AttentionPlan (metadata validated, work partitioned,
 // scratch sized, ISA variant chosen) and every layer's paged_attention reuses
 // it. Work items are (sequence, KV head group, chunk of up to kQueryChunk query
-// tokens); when there are too few of them to keep the threads busy, long
+// tokens); when there are too few of them to keep the threads busy, each is
+// split over its group's query heads (a query row's output is the same bits in
+// any item: batch invariance), or, when the plan is built with split_kv, long
 // decodes are split along the KV length and merged by log-sum-exp
-// (flash-decoding, Dao et al. 2023). A worker runs runs of consecutive items,
+// (flash-decoding, Dao et al. 2023; faster for a long decode with few query
+// heads per KV head, but the merge sums in another order than one item). A worker runs runs of consecutive items,
 // so the kernel knows the next item and prefetches its first KV blocks. Per
 // worker the scratch is O(block_size * head_dim + rows * head_dim), independent
 // of the sequence length.
@@ -55,11 +58,12 @@ class AttentionPlan {
   // with sliding_window > 0 only keys at positions > its own - sliding_window
   // (transformers' sliding-window mask), and the work items skip the blocks
   // wholly outside the window, so a long decode reads only in-window blocks.
+  // split_kv: let long decodes in a step of few items be split along the KV length (see above).
   // num_threads in [1, kMaxThreads] worker threads (usually torch.get_num_threads()). The ISA
   // variant is the active one now (cpu_isa.h). Throws KernelArgumentError.
   AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens, const TensorArg& block_tables,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
-                bool causal, int num_threads, int64_t sliding_window = 0);
+                bool causal, int num_threads, int64_t sliding_window = 0, bool split_kv = false);
   ~AttentionPlan();
 
   const AttentionGeometry& geometry() const { return g_; }

@@ -79,15 +79,16 @@ void bind_cpu(py::module_& m) {
                                                             "One step's validated metadata and work partition.")
       .def(py::init([](py::handle qsl, py::handle seq_lens, py::handle block_tables, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks, bool causal,
-                       int num_threads, int64_t sliding_window) {
+                       int num_threads, int64_t sliding_window, bool split_kv) {
              auto q = tensor_arg(qsl, "query_start_loc"), s = tensor_arg(seq_lens, "seq_lens");
              auto t = tensor_arg(block_tables, "block_tables");
              return std::make_shared<AttentionPlan>(q, s, t, num_heads, num_kv_heads, head_dim, block_size,
-                                                    num_blocks, causal, num_threads, sliding_window);
+                                                    num_blocks, causal, num_threads, sliding_window, split_kv);
            }),
            py::arg("query_start_loc"), py::arg("seq_lens"), py::arg("block_tables"), py::arg("num_heads"),
            py::arg("num_kv_heads"), py::arg("head_dim"), py::arg("block_size"), py::arg("num_blocks"),
-           py::arg("causal") = true, py::arg("num_threads") = 1, py::arg("sliding_window") = 0)
+           py::arg("causal") = true, py::arg("num_threads") = 1, py::arg("sliding_window") = 0,
+           py::arg("split_kv") = false)
       .def_property_readonly("isa", [](const AttentionPlan& p) { return std::string(p.isa()); })
       .def_property_readonly("num_work_items", &AttentionPlan::num_work_items)
       .def_property_readonly("num_split_groups", &AttentionPlan::num_split_groups)

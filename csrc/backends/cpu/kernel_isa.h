@@ -26,8 +26,11 @@ constexpr int kTileKeys = 32;           // keys a tile step of kernels.cc covers
 // One unit of work: sequence b, KV head hk, query tokens [q0, q1) of that
 // sequence (relative), KV blocks [j0, j1). split >= 0 marks a partial result
 // (split-KV decode) that merge_splits combines.
+// One work item: sequence b's query tokens [q0, q1) for the query heads [g0, g1)
+// of KV head hk's group, over its KV blocks [j0, j1); split: the item's index
+// among a split-KV group's items (-1: none).
 struct WorkItem {
-  int32_t b, hk, q0, q1, j0, j1, split;
+  int32_t b, hk, q0, q1, j0, j1, split, g0, g1;
 };
 
 struct Partial {  // online-softmax state of one row, for split merging

@@ -428,7 +428,7 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
   constexpr int NB = kKeys(BS) / BS;
   constexpr int KEYS = NB * BS;
   constexpr int kTileRows = kRows(BS);
-  const int64_t d = a.head_dim, nq = it.q1 - it.q0, rows = a.group * nq;
+  const int64_t d = a.head_dim, nq = it.q1 - it.q0, rows = int64_t{it.g1 - it.g0} * nq;
   const int64_t ntiles = (rows + kTileRows - 1) / kTileRows;
   const TileFn full = fixed_tile(BS, d, static_cast<int>(imin(kTileRows, rows)));
   const TileFn last = fixed_tile(BS, d, static_cast<int>(rows - (ntiles - 1) * kTileRows));
@@ -508,7 +508,7 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
 // The generic path: one query row and one block at a time.
 template <typename T>
 void run_rows(const KernelArgs& a, const WorkItem& it, const ItemScratch& sc, int64_t first_pos, int64_t seq_len) {
-  const int64_t d = a.head_dim, bs = a.block_size, nq = it.q1 - it.q0, rows = a.group * nq;
+  const int64_t d = a.head_dim, bs = a.block_size, nq = it.q1 - it.q0, rows = int64_t{it.g1 - it.g0} * nq;
   const T* k_cache = static_cast<const T*>(a.k_cache);
   const T* v_cache = static_cast<const T*>(a.v_cache);
   for (int64_t j = it.j0; j < it.j1; ++j) {
@@ -544,8 +544,8 @@ void run_rows(const KernelArgs& a, const WorkItem& it, const ItemScratch& sc, in
 template <typename T>
 void run_item_typed(const KernelArgs& a, const WorkItem& it, const WorkItem* next, float* scratch,
                     float* partial_acc, Partial* partial_ml) {
-  const int64_t d = a.head_dim, bs = a.block_size, G = a.group;
-  const int64_t nq = it.q1 - it.q0, rows = G * nq;
+  const int64_t d = a.head_dim, bs = a.block_size, G = a.group, heads = it.g1 - it.g0;
+  const int64_t nq = it.q1 - it.q0, rows = heads * nq;
   const ItemScratch sc = carve_scratch(scratch, G, d, bs);
   const T* query = static_cast<const T*>(a.query);
   const int64_t seq_len = a.seq_lens[it.b];
@@ -553,10 +553,10 @@ void run_item_typed(const KernelArgs& a, const WorkItem& it, const WorkItem* nex
   const int64_t q_len = a.query_start_loc[it.b + 1] - q_start;
   const int64_t first_pos = seq_len - q_len;  // position of query token 0
 
-  for (int64_t gi = 0; gi < G; ++gi) {
+  for (int64_t gi = 0; gi < heads; ++gi) {
     for (int64_t qi = 0; qi < nq; ++qi) {
       const int64_t r = gi * nq + qi;
-      const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + gi;
+      const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + it.g0 + gi;
       const T* src = query + tok * a.query_stride_token + head * a.query_stride_head;
       float* qr = sc.qf + r * d;
       float* acc = sc.acc + r * d;
@@ -586,7 +586,7 @@ void run_item_typed(const KernelArgs& a, const WorkItem& it, const WorkItem* nex
     }
     const float inv = sc.l[r] > 0.f ? 1.f / sc.l[r] : 0.f;
     const int64_t gi = r / nq, qi = r % nq;
-    const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + gi;
+    const int64_t tok = q_start + it.q0 + qi, head = it.hk * G + it.g0 + gi;
     T* dst = out + tok * a.out_stride_token + head * a.out_stride_head;
 #pragma omp simd
     for (int64_t i = 0; i < d; ++i) dst[i] = from_float(acc[r * d + i] * inv, dst);

@@ -129,7 +129,8 @@ class LLMEngine:
         block_bytes = KVCache.bytes_per_block(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, self.dtype)
         num_blocks = args.num_kv_blocks or max(1, min(args.kv_cache_memory // block_bytes, 2**31 - 1))
         self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, num_kv_heads, head_dim,
-                                                 block_size, num_blocks, self.dtype, self.device))
+                                                 block_size, num_blocks, self.dtype, self.device,
+                                                 batch_invariant=args.batch_invariant))
         try:
             self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
         except (RuntimeError, MemoryError) as e:  # the allocator refused

@@ -63,6 +63,9 @@ class AttentionSpec:
         num_blocks: physical blocks in the KV store.
         dtype: dtype of the KV cache, queries and outputs.
         device: where the KV store and the kernels' tensors live.
+        batch_invariant: a query token's output must not depend on the rest of
+            its step (EngineArgs.batch_invariant); a backend whose work split
+            can change a token's rounding (split-KV) keeps it off when True.
     """
 
     num_heads: int
@@ -72,6 +75,7 @@ class AttentionSpec:
     num_blocks: int
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
+    batch_invariant: bool = True
 
 
 @dataclass

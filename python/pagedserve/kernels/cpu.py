@@ -50,7 +50,7 @@ class CpuPlan:
             s, md = self.spec, self.metadata
             plan = self.plans[key] = _core.cpu.AttentionPlan(
                 md.query_start_loc, md.seq_lens, md.block_tables, s.num_heads, s.num_kv_heads, s.head_dim,
-                s.block_size, s.num_blocks, md.causal, torch.get_num_threads(), key)
+                s.block_size, s.num_blocks, md.causal, torch.get_num_threads(), key, split_kv=not s.batch_invariant)
         return plan
 
 
