@@ -52,3 +52,21 @@ def test_default_engine_gives_each_request_the_same_logit_bits_under_any_load():
             del one
         finally:
             torch.set_num_threads(threads)
+
+
+def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatch):
+    """A start-up measurement that gives the dense path the large calls (the blocks up to 128 rows here)
+    would make a row's GEMM depend on its step's size: with batch invariance (the default) the blocks
+    serve every call; --no-batch-invariant keeps the measured bound."""
+    from pagedserve.model import gguf_linear
+
+    def bounded(self, *args, **kwargs):
+        self.set_max_rows(128)
+        return gguf_linear.GGUFTuning({"gguf": {1: 1.0, 128: 9.0}, "dense": {1: 3.0, 128: 5.0}}, "injected")
+
+    monkeypatch.setattr(gguf_linear.GGUFFloatMethod, "tune", bounded)
+    on = LLM(enable_prefix_caching=False)
+    assert "calls of every size" in on.engine.linear_path
+    del on
+    off = LLM(enable_prefix_caching=False, batch_invariant=False)
+    assert "calls of up to 128 rows" in off.engine.linear_path

@@ -71,7 +71,8 @@ class AttentionPlan {
   int64_t num_work_items() const { return static_cast<int64_t>(items_.size()); }
   int64_t num_split_groups() const { return static_cast<int64_t>(split_groups_.size()); }
   int64_t sliding_window() const { return sliding_window_; }
-  // KV blocks the work items read, summed over items (each item is one KV head).
+  // KV blocks the work items read, summed over items (each item reads its KV head's blocks; items split
+  // over a group's query heads each read them).
   int64_t num_blocks_visited() const;
   // True when run() does its items on the calling thread (too little work to wake the pool).
   bool runs_inline() const { return run_inline_; }

@@ -23,12 +23,10 @@ constexpr int kQueryChunk = 16;         // query tokens per work item
 constexpr int kMinBlocksPerSplit = 16;  // KV blocks a decode split covers at least
 constexpr int kTileKeys = 32;           // keys a tile step of kernels.cc covers at most (two blocks of 16)
 
-// One unit of work: sequence b, KV head hk, query tokens [q0, q1) of that
-// sequence (relative), KV blocks [j0, j1). split >= 0 marks a partial result
-// (split-KV decode) that merge_splits combines.
-// One work item: sequence b's query tokens [q0, q1) for the query heads [g0, g1)
-// of KV head hk's group, over its KV blocks [j0, j1); split: the item's index
-// among a split-KV group's items (-1: none).
+// One unit of work: sequence b's query tokens [q0, q1) (relative to the
+// sequence's first query token) for the query heads [g0, g1) of KV head hk's
+// group, over its KV blocks [j0, j1). split >= 0 marks a partial result (a
+// split-KV decode, always the whole group) that merge_splits combines.
 struct WorkItem {
   int32_t b, hk, q0, q1, j0, j1, split, g0, g1;
 };

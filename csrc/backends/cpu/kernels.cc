@@ -9,8 +9,8 @@
 // along the KV length are merged by log-sum-exp (flash-decoding, Dao et al. 2023).
 //
 // Block sizes 16 and 32 with head_dim 64, 128 or 256 take the tile path: a work
-// item's G * q_len query rows (the query heads sharing a KV head, each of its
-// query tokens) go through each span of kTileKeys keys (two blocks of 16) in
+// item's (g1 - g0) * q_len query rows (its query heads of a KV head's group,
+// each of its query tokens) go through each span of kTileKeys keys (two blocks of 16) in
 // tiles of several rows, so every key and value row is loaded once per tile
 // rather than once per row, and the tile's scores and accumulators stay in
 // vector registers with enough independent FMA chains to hide their latency;
@@ -381,6 +381,17 @@ inline const T* block_at(const KernelArgs& a, const T* cache, const WorkItem& it
   return cache + (block * a.num_kv_heads + it.hk) * a.block_size * a.head_dim;
 }
 
+// The first block of item `it`'s first tile. Tiles start at multiples of NB
+// blocks wherever the item starts (under a sliding window, at the first block
+// its first row sees): a row then meets the same tiles, the same online-softmax
+// steps, in any item, alone or in a chunk (batch invariance); the leading
+// blocks before the item's (at most NB - 1) are masked, as no row of the item
+// sees them. Not a split's item: the keys before it are another split's.
+template <int NB>
+inline int64_t first_tile_block(const WorkItem& it) {
+  return it.split >= 0 ? it.j0 : it.j0 - it.j0 % NB;
+}
+
 // The K and V blocks of the tile of item `it` starting at block j (NB blocks;
 // before the item's first block or past its last, repeats of a block of the
 // item, whose keys are masked: no row of the item sees those positions).
@@ -434,11 +445,8 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
   const TileFn last = fixed_tile(BS, d, static_cast<int>(rows - (ntiles - 1) * kTileRows));
   for (int64_t r = 0; r < rows * KEYS; ++r) sc.lsum[r] = 0.f;
 
-  // Tiles start at multiples of NB blocks, wherever the item starts (under a sliding window, at the
-  // first block its first row sees): a row then meets the same tiles, the same online-softmax steps, in
-  // any item, alone or in a chunk (batch invariance); the leading blocks before the item's are masked,
-  // as no row of the item sees them. Not a split's item: the keys before it are another split's.
-  for (int64_t j = it.split >= 0 ? it.j0 : it.j0 - it.j0 % NB; j < it.j1; j += NB) {
+  const int64_t j_first = first_tile_block<NB>(it), n_tiles = (it.j1 - j_first + NB - 1) / NB;
+  for (int64_t j = j_first; j < it.j1; j += NB) {
     const T* kt[NB];
     const T* vt[NB];
     tile_blocks<T, NB>(a, it, j, kt, vt);
@@ -446,12 +454,13 @@ void run_tiles(const KernelArgs& a, const WorkItem& it, const WorkItem* next, co
     const T* pf[2 * NB];
     bool has_next = true;
     {
-      // kPrefetchTiles tiles ahead, in this item's tiles and then the next item's
-      const int64_t ahead = (j - it.j0) / NB + kPrefetchTiles - (it.j1 - it.j0 + NB - 1) / NB;
+      // kPrefetchTiles tiles ahead, in this item's tiles and then the next item's (from its own first tile)
+      const int64_t ahead = (j - j_first) / NB + kPrefetchTiles - n_tiles;
+      const int64_t next_first = next != nullptr ? first_tile_block<NB>(*next) : 0;
       if (ahead < 0) {
         tile_blocks<T, NB>(a, it, j + kPrefetchTiles * NB, pf, pf + NB);
-      } else if (next != nullptr && next->j0 + ahead * NB < next->j1) {
-        tile_blocks<T, NB>(a, *next, next->j0 + ahead * NB, pf, pf + NB);
+      } else if (next != nullptr && next_first + ahead * NB < next->j1) {
+        tile_blocks<T, NB>(a, *next, next_first + ahead * NB, pf, pf + NB);
       } else {
         has_next = false;
       }

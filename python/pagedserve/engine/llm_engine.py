@@ -118,7 +118,7 @@ class LLMEngine:
         prepared = prepare_model(self.model, self.dtype, self.device, self.max_model_len,
                                  linear_impl=args.linear_impl, quantization=args.quantization,
                                  model_impl=args.model_impl, gguf_path=gguf_source(args.model),
-                                 native_step=args.native_step)
+                                 native_step=args.native_step, batch_invariant=args.batch_invariant)
         self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
         self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
         self.linear_layers = prepared.linear_layers

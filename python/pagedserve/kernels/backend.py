@@ -64,8 +64,9 @@ class AttentionSpec:
         dtype: dtype of the KV cache, queries and outputs.
         device: where the KV store and the kernels' tensors live.
         batch_invariant: a query token's output must not depend on the rest of
-            its step (EngineArgs.batch_invariant); a backend whose work split
-            can change a token's rounding (split-KV) keeps it off when True.
+            its step (EngineArgs.batch_invariant): the cpu backend then never
+            splits along the KV length. The Metal backend does not read it yet
+            (its split-KV stays automatic).
     """
 
     num_heads: int

@@ -15,7 +15,7 @@ import torch
 
 from .. import _core
 from .gguf_format import GGUFBlocks
-from .gguf_linear import GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
+from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, lean_linear_shapes, why_not_lean
 from .linear import DenseMethod, LinearChoice, choose_linear_impl, describe
 from .linear_method import LinearMethodTable
@@ -77,11 +77,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, max_model_len: int, *,
                   linear_impl: str = "auto", quantization: str = "none", model_impl: str = "auto",
-                  gguf_path: Path | None = None, native_step: bool = True) -> PreparedModel:
+                  gguf_path: Path | None = None, native_step: bool = True,
+                  batch_invariant: bool = True) -> PreparedModel:
     """Prepares ``model`` (a transformers causal LM on ``device``) in place.
 
     Args:
-        linear_impl, quantization, model_impl, native_step: EngineArgs' fields of the same names.
+        linear_impl, quantization, model_impl, native_step, batch_invariant: EngineArgs' fields of the same
+            names (batch_invariant: where the GGUF's blocks serve some call sizes, they serve every size, so
+            a row's result never depends on which GEMM its call's row count picked).
         gguf_path: the GGUF file the model was converted from, or None (its own
             blocks serve the gguf path and --quantization).
     Raises:
@@ -122,6 +125,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             gguf_ms = None
         else:
             gguf_ms = builder.tune()
+            if batch_invariant and 0 < builder.max_rows < UNBOUNDED_ROWS:
+                builder.set_max_rows(UNBOUNDED_ROWS)  # one GEMM for every call size: batch invariance
         if builder.max_rows > 0 and builder.native:
             if builder.serves_all and builder.declined == 0:
                 released = _serve_from_blocks(model, lean, builder)
