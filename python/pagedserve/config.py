@@ -57,8 +57,9 @@ class EngineArgs:
     served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
     dtype: str = field(default="auto", metadata=_arg(
         "weights, activations and KV cache: auto = float32 on the CPU, the exact path (with a GGUF model its "
-        "decode calls read the file's own blocks); bfloat16 is opt-in: faster at large batches where the CPU has "
-        "native bf16 (avx512_bf16, AMX, Arm BF16), but it rounds every product; auto on a GPU = bfloat16",
+        "decode calls read the file's own blocks); bfloat16 is opt-in: half the KV cache; on a GGUF model its linear "
+        "layers still read the file's blocks in float32 (with --no-batch-invariant large calls take a bfloat16 GEMM, "
+        "faster where the CPU has native bf16: avx512_bf16, AMX, Arm BF16); auto on a GPU = bfloat16",
         choices=["auto", "float32", "bfloat16"]))
     device: str = field(default="cpu", metadata=_arg(
         "where the model, the KV store and the attention kernels run (a torch device: cpu, cuda, mps)"))
@@ -111,9 +112,12 @@ class EngineArgs:
         "(Llama: the same results, bit for bit; the others: the modules' own norms and activations)"))
     batch_invariant: bool = field(default=True, metadata=_arg(
         "a request's logits do not depend on what else its steps hold (the cpu backend's attention: a step of few "
-        "sequences is split over query heads); --no-batch-invariant lets a long decode in such a step be split along "
-        "the KV length instead (flash-decoding), faster there (SmolLM2 at 1,500 tokens, one user: ~10 vs ~12 ms per "
-        "token) but the merge rounds differently than a whole pass"))
+        "sequences is split over query heads; a GGUF's blocks serve every call size, in float32 and bfloat16; "
+        "--quantization keeps large calls on the integer kernel); --no-batch-invariant lets a long decode in such a "
+        "step be split along the KV length instead (flash-decoding), faster there (SmolLM2 at 1,500 tokens, one "
+        "user: ~10 vs ~12 ms per token) but the merge rounds differently than a whole pass, and lets large calls "
+        "take a measured library GEMM (bfloat16: 1.8x the throughput). A float checkpoint's library GEMMs are "
+        "never invariant: the start-up log names them"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "

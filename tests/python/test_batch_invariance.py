@@ -1,14 +1,19 @@
-"""Batch invariance of the default engine (issue 28, part 1): a request's logits are
-the same bits whatever else its steps hold: alone, beside eleven other requests,
+"""Batch invariance of the engine (issue 28, part 1): a request's logits are the
+same bits whatever else its steps hold: alone, beside eleven other requests,
 with its prompt cut into 16-token chunks, and on one or two threads. Checked on
-the logprob of every emitted token (a function of that row's logits alone).
+the logprob of every emitted token (a function of that row's logits alone), in
+each dtype and quantisation the default model is served in.
 
-The default model runs on the GGUF's blocks in float32, whose GEMM sums each
-output in k order whatever the call's row count (tests/cpp/test_quant_linear.cc),
-and the CPU attention kernel scores each query row the same way in any tile
+float32 (the default) and bfloat16 run on the GGUF's blocks, whose float32 GEMM
+sums each output in k order whatever the call's row count
+(tests/cpp/test_quant_linear.cc); bfloat16 activations are widened exactly and
+the sums rounded once. --quantization q4 rounds each activation row to int8 on
+its own and stays on the integer kernel for every call size. The CPU attention
+kernel scores each query row the same way in any tile
 (tests/cpp/test_attention_cpu.cc)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
@@ -33,21 +38,34 @@ def _run(llm: LLM, prompts: list[list[int]], batched: bool) -> list[tuple[list[i
     return result
 
 
-def test_default_engine_gives_each_request_the_same_logit_bits_under_any_load():
+# (engine arguments, what the engine must resolve them to); bfloat16 names the gguf path so that no start-up
+# measurement runs (the rule that gives the blocks every call size is tested below)
+CONFIGS = {
+    "float32 (default)": ({}, torch.float32, "gguf"),
+    "bfloat16": ({"dtype": "bfloat16", "linear_impl": "gguf"}, torch.bfloat16, "gguf"),
+    "q4": ({"quantization": "q4"}, None, "q4"),
+}
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_each_request_gets_the_same_logit_bits_under_any_load(config):
+    kwargs, dtype, path = CONFIGS[config]
     prompts = _prompts()
-    llm = LLM(enable_prefix_caching=False)
-    assert llm.engine.dtype == torch.float32 and llm.engine.linear_path.startswith("gguf")
+    llm = LLM(enable_prefix_caching=False, **kwargs)
+    assert llm.engine.linear_path.startswith(path) and dtype in (None, llm.engine.dtype)
+    assert "bfloat16 GEMM" not in llm.engine.linear_path  # q4's large calls stay on the integer kernel
+    assert llm.engine.batch_invariance == "on"
     alone = _run(llm, prompts, batched=False)
     assert _run(llm, prompts, batched=True) == alone  # all at once: one prefill of 12 prompts, then shared decodes
     del llm
-    chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=16)
+    chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=16, **kwargs)
     assert _run(chunked, prompts, batched=True) == alone  # prompts cut at other boundaries, mixed with decodes
     del chunked
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
         try:
-            one = LLM(enable_prefix_caching=False)
+            one = LLM(enable_prefix_caching=False, **kwargs)
             assert _run(one, prompts, batched=True) == alone
             del one
         finally:
@@ -70,3 +88,14 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
     del on
     off = LLM(enable_prefix_caching=False, batch_invariant=False)
     assert "calls of up to 128 rows" in off.engine.linear_path
+
+
+def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_dir):
+    """A float checkpoint's linear layers run a library GEMM (MKL / oneDNN block by row count): the engine
+    says so rather than claiming invariance; --no-batch-invariant says it is off."""
+    dense = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, linear_impl="torch")
+    assert dense.engine.batch_invariance.startswith("on, except ")
+    assert "linear layers on a library GEMM" in dense.engine.batch_invariance
+    del dense
+    off = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, batch_invariant=False)
+    assert off.engine.batch_invariance.startswith("off")

@@ -14,7 +14,7 @@ import torch
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.gguf_format import GGUFBlocks
-from pagedserve.model.gguf_linear import GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
+from pagedserve.model.gguf_linear import UNBOUNDED_ROWS, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
 from pagedserve.model.linear import DenseMethod, LinearChoice
 from pagedserve.model.linear_method import LinearMethodTable
 from pagedserve.model.loader import default_gguf_path
@@ -75,7 +75,7 @@ def test_a_layer_whose_blocks_are_not_the_weights_stays_dense(gguf, smollm2_dir)
     assert log[2].startswith("lm_head x1: gguf (Q8_0 blocks"), log
 
 
-def test_large_calls_and_other_dtypes_take_the_dense_layer(gguf, smollm2_dir):
+def test_large_calls_take_the_dense_layer_and_bfloat16_calls_the_blocks(gguf, smollm2_dir):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
@@ -91,16 +91,26 @@ def test_large_calls_and_other_dtypes_take_the_dense_layer(gguf, smollm2_dir):
     # float32 sums of 1536 products in the kernel's order: within a few ulps of sum |x w| of the float64 result
     bound = 1e-6 * (x[:8].double().abs() @ w.abs().T)
     assert bool(((small.double() - x[:8].double() @ w.T).abs() <= bound).all())
+    # a bfloat16 call: the same float32 sums of the exactly widened rows, rounded once to bfloat16
+    xb = x[:8].bfloat16()
+    torch.testing.assert_close(layer(xb), layer(xb.float()).bfloat16(), rtol=0, atol=0)
+    assert layer(xb).dtype == torch.bfloat16 and calls == []
     calls.clear()
     torch.testing.assert_close(layer(x), dense(x), rtol=0, atol=0)
     assert calls == [20, 20]  # the layer's own call and the reference
     builder.set_max_rows(0)
     layer(x[:1])
     assert calls[-1] == 1
+    # a large bfloat16 call on the blocks (its conversions run on the kernel's pool): the same rounding
+    builder.set_max_rows(UNBOUNDED_ROWS)
+    xb = torch.randn(130, dense.in_features).bfloat16()
+    torch.testing.assert_close(layer(xb), layer(xb.float()).bfloat16(), rtol=0, atol=0)
+    torch.testing.assert_close(layer(xb[77:78]), layer(xb)[77:78], rtol=0, atol=0)  # a row alone: the same bits
 
 
 def test_the_path_is_refused_where_it_cannot_run(gguf, tiny_llama_dir):
-    assert "float32" in why_no_gguf_path(torch.bfloat16, torch.device("cpu"), gguf)
+    assert "float32 or bfloat16" in why_no_gguf_path(torch.float16, torch.device("cpu"), gguf)
+    assert why_no_gguf_path(torch.bfloat16, torch.device("cpu"), gguf) is None
     assert "GGUF" in why_no_gguf_path(torch.float32, torch.device("cpu"), None)
     assert "CPU" in why_no_gguf_path(torch.float32, torch.device("cuda"), gguf)
     assert why_no_gguf_path(torch.float32, torch.device("cpu"), gguf) is None

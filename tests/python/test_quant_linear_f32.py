@@ -61,8 +61,13 @@ def test_linear_f32_bad_arguments_raise_kernel_argument_error():
     x = torch.randn(3, k)
     out = torch.empty(3, n)
     w.linear_f32(x, out)  # defaults: no bias, one thread
+    ob = out.bfloat16()
+    w.linear_f32(x.bfloat16(), ob, None, 1)  # both bfloat16: the float32 result of the widened rows, rounded once
+    ref = torch.empty(3, n)
+    w.linear_f32(x.bfloat16().float(), ref, None, 1)
+    assert torch.equal(ob, ref.bfloat16())
     with pytest.raises(KernelArgumentError):
-        w.linear_f32(x.bfloat16(), out.bfloat16(), None, 1)  # float32 only
+        w.linear_f32(x.half(), out.half(), None, 1)  # float32 or bfloat16 only
     with pytest.raises(KernelArgumentError):
         w.linear_f32(x.bfloat16(), out, None, 1)
     with pytest.raises(KernelArgumentError):

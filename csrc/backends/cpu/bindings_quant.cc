@@ -79,7 +79,8 @@ void bind_quant(py::module_& m) {
           py::arg("x"), py::arg("out"), py::arg("bias") = py::none(), py::arg("num_threads") = 1,
           "out [M, out_features] = x [M, in_features] @ W.T (+ bias float32 [out_features]) in float32, W the "
           "exactly dequantised weights (dequantize's float32 values, expanded from the blocks in registers: "
-          "lossless for weights whose float32 values are these); x and out float32, contiguous; x not quantised; "
+          "lossless for weights whose float32 values are these); x and out float32, or both bfloat16 (x widened "
+          "exactly, each float32 result rounded once to nearest even), contiguous; x not quantised; "
           "float32 accumulation along in_features in order, so the result does not depend on num_threads. "
           "num_threads in [1, 1024]. Raises KernelArgumentError.")
       .def(

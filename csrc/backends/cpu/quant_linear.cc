@@ -103,6 +103,19 @@ struct F32Scratch {
   }
 };
 
+// Runs fn(i0, i1) over [0, n) elements: on the calling thread below kParallelConvertElements, else in
+// chunks on num_threads threads of the pool (a dtype conversion around a kernel call).
+constexpr int64_t kParallelConvertElements = int64_t{1} << 16;
+template <typename Fn>
+void convert_elements(int64_t n, int num_threads, const Fn& fn) {
+  if (num_threads == 1 || n < kParallelConvertElements) {
+    fn(0, n);
+    return;
+  }
+  const int64_t chunk = kParallelConvertElements / 4, tasks = (n + chunk - 1) / chunk;
+  ThreadPool::get(num_threads)->run(tasks, [&](int64_t i, int) { fn(i * chunk, std::min(n, (i + 1) * chunk)); });
+}
+
 // num_threads within [1, kMaxLinearThreads], or KernelArgumentError.
 void check_num_threads(int num_threads) {
   if (num_threads < 1 || num_threads > kMaxLinearThreads) {
@@ -493,11 +506,32 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
 
 void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const TensorArg* bias,
                                  int num_threads) const {
-  x.check_dtype(DType::kFloat32);
+  if (x.dtype != DType::kBFloat16) x.check_dtype(DType::kFloat32);
   const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
-  linear_f32_parts({this}, x.ptr<float>(), m, out.ptr<float>(), n_, bias != nullptr ? bias->ptr<float>() : nullptr,
-                   num_threads, active_quant_isa().table());
+  const float* b = bias != nullptr ? bias->ptr<float>() : nullptr;
+  if (x.dtype == DType::kFloat32) {
+    linear_f32_parts({this}, x.ptr<float>(), m, out.ptr<float>(), n_, b, num_threads, active_quant_isa().table());
+    return;
+  }
+  // bfloat16: widened exactly into float32 rows, the float32 results rounded once (to nearest even, as
+  // torch's conversion), on our own pool: O(M (K + N)) beside the GEMM's O(M N K), and no library call
+  // (torch's parallel conversion leaves OpenMP threads spinning on the cores the pool needs: measured
+  // 576 -> 3072 at 32 rows, 1.07 ms against 0.41)
+  thread_local std::vector<float> xf, of;
+  xf.resize(static_cast<size_t>(m * k_));
+  of.resize(static_cast<size_t>(m * n_));
+  const bf16* xb = x.ptr<bf16>();
+  float* xw = xf.data();
+  convert_elements(m * k_, num_threads, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) xw[i] = bf16_to_float(xb[i]);
+  });
+  linear_f32_parts({this}, xw, m, of.data(), n_, b, num_threads, active_quant_isa().table());
+  bf16* ob = out.ptr<bf16>();
+  const float* ow = of.data();
+  convert_elements(m * n_, num_threads, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) ob[i] = float_to_bf16(ow[i]);
+  });
 }
 
 void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>& parts, const float* x, int64_t m,

@@ -128,7 +128,9 @@ class QuantizedWeight {
   // out [M, N] = x [M, K] . W^T (+ bias [N]) in float32 with the exactly
   // dequantised weights (dequantize's float32 values, expanded in registers
   // from the tiles): a lossless float32 linear layer for weights whose float32
-  // values are these (the default model's). x and out float32, contiguous;
+  // values are these (the default model's). x and out float32, or both
+  // bfloat16 (x widened exactly, each float32 result rounded once to
+  // nearest even: torch's x.float() @ W.T then .bfloat16()), contiguous;
   // bias float32 [N] contiguous or nullptr. x is not quantised; per output the
   // sum over k runs in order, one float32 fused multiply-add per k (the scalar
   // variant rounds the product and the sum separately), + bias last, so the

@@ -147,6 +147,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--quantization", default="none", choices=["none", "q4", "int8"],
                     help="PagedServe on quantised weights (q4: the GGUF's own Q4_1 blocks); also prints accuracy "
                          "figures: greedy agreement with the float32 path and perplexity on a fixed text")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="PagedServe's --batch-invariant (default on): --no-batch-invariant measures what it costs")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
     ap.add_argument("--repeat", type=int, default=1, metavar="R",
                     help="run static batching and PagedServe alternately R times and keep each one's fastest run")
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # cache hit would skip prefill that static batching has to redo; the prompts share no prefix otherwise
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
               linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, batch_invariant=args.batch_invariant)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
     model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
@@ -217,6 +219,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print(f"\n{args.num_requests} requests x ({args.prompt_len} prompt + {args.output_len} output) tokens, "
           f"greedy, {torch.get_num_threads()} threads; HF float32; PagedServe {dtype}: attention backend "
           f"{eng.backend.name}{f' ({variant} kernels)' if variant else ''}; decoder forward {eng.model_impl}; "
+          f"batch invariance {'on' if args.batch_invariant else 'off'}; "
           f"linear layers: {eng.linear_path}; weights {eng.weight_bytes / 2**20:.0f} MiB")
     print(f"| system | time (s) | output tokens/s | vs static batching |")
     print(f"|---|---:|---:|---:|")

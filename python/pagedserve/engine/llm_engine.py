@@ -27,7 +27,7 @@ from ..model.attention import register as register_attention
 from ..model.features import attention_features, dynamic_rope_limit
 from ..model.kv_cache import KVCache
 from ..model.loader import gguf_source, load_config, load_model
-from ..model.prepare import prepare_model
+from ..model.prepare import describe_batch_invariance, prepare_model
 from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
 from ..sampling_params import SamplingParams
@@ -122,6 +122,8 @@ class LLMEngine:
         self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
         self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
         self.linear_layers = prepared.linear_layers
+        self.batch_invariance = describe_batch_invariance(args.batch_invariant, backend_cls.name,
+                                                          prepared.dense_gemm_layers)
         self.model_name = args.served_model_name or loaded.name
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads  # GPT-2: MHA
@@ -163,6 +165,7 @@ class LLMEngine:
         logger.info("decoder forward: %s", self.model_impl)
         logger.info("linear layers: %s", self.linear_path)
         logger.info("linear layers by type:\n  %s", self.linear_layers.replace("\n", "\n  "))
+        logger.info("batch invariance: %s", self.batch_invariance)
         logger.info("memory: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.weight_bytes / 2**20, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
                     self.max_model_len)

@@ -69,10 +69,12 @@ class GGUFTuning:
 
 
 class GGUFFloatLinear(torch.nn.Module):
-    """x [..., in_features] float32 -> [..., out_features] float32 = x @ W.T + b
-    with W the GGUF blocks' exact float32 values: calls of at most ``max_rows``
-    rows run QuantizedWeight.linear_f32 on the blocks, larger ones (or another
-    dtype) run ``dense``, which holds the same weights as float32.
+    """x [..., in_features] float32 or bfloat16 -> [..., out_features] in x's
+    dtype = x @ W.T + b with W the GGUF blocks' exact float32 values: calls of
+    at most ``max_rows`` rows run QuantizedWeight.linear_f32 on the blocks
+    (a bfloat16 x widened to float32 exactly, the float32 sums rounded to
+    bfloat16 once), larger ones run ``dense``, which holds the model's weights
+    (the same values in a float32 model, rounded to bfloat16 in a bfloat16 one).
 
     Args:
         weight: _core.cpu.QuantizedWeight of the blocks, [out_features, in_features].
@@ -81,7 +83,6 @@ class GGUFFloatLinear(torch.nn.Module):
             None once released (GGUFFloatMethod.release_dense): the blocks then
             serve every call.
         max_rows: the largest call (rows) the blocks serve; 0: never.
-    Raises (forward): TypeError for a non-float32 input without a dense layer.
     """
 
     def __init__(self, weight, bias: torch.Tensor | None, dense: torch.nn.Module, max_rows: int) -> None:
@@ -97,33 +98,35 @@ class GGUFFloatLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a decode step's calls are 2-D already
-        if self.dense is not None and (x2.shape[0] > self.max_rows or x2.dtype != torch.float32):
+        if self.dense is not None and x2.shape[0] > self.max_rows:
             return self.dense(x)
-        if x2.dtype != torch.float32:
-            raise TypeError(f"the gguf path computes in float32 (got {x2.dtype}) and this layer keeps no dense copy")
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        out = torch.empty((x2.shape[0], self.out_features), dtype=torch.float32)
+        # bfloat16 rows are widened and the results rounded inside the kernel call (torch's parallel conversions
+        # would leave OpenMP threads spinning on the cores the kernel's pool needs)
+        out = torch.empty((x2.shape[0], self.out_features), dtype=x2.dtype)
         self.weight_blocks.linear_f32(x2, out, self.bias, torch.get_num_threads())
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
 
 class GGUFEmbedding(torch.nn.Module):
     """An embedding lookup on GGUF blocks: input_ids [T] int64 -> [T, hidden]
-    float32, the rows de-quantised to exactly the model's float32 embedding
+    ``dtype``, the rows de-quantised to exactly the model's float32 embedding
     (QuantizedWeight.embedding), times ``embed_scale`` where the model scales
-    its embedding (Gemma: sqrt(hidden), as its own module does). With a tied
+    its embedding (Gemma: sqrt(hidden), as its own module does), in float32,
+    then rounded once to ``dtype``. With a tied
     output layer the blocks are the output layer's own (one copy for both).
 
     Args:
         weight: _core.cpu.QuantizedWeight [vocab, hidden].
         embed_scale: a float32 scalar tensor, or None.
+        dtype: the model's activation dtype (torch.float32 or torch.bfloat16).
     Raises (forward): KernelArgumentError for an id outside the vocabulary.
     """
 
-    def __init__(self, weight, embed_scale: torch.Tensor | None = None) -> None:
+    def __init__(self, weight, embed_scale: torch.Tensor | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
-        self.weight_blocks = weight
+        self.weight_blocks, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
         self.register_buffer("embed_scale", None if embed_scale is None else embed_scale.detach().float().clone(),
                              persistent=False)
@@ -141,6 +144,8 @@ class GGUFEmbedding(torch.nn.Module):
         self.weight_blocks.embedding(ids, out)
         if self.embed_scale is not None:
             out = out * self.embed_scale
+        if self.dtype != torch.float32:
+            out = out.to(self.dtype)
         return out.reshape(*input_ids.shape, self.embedding_dim)
 
 
@@ -149,8 +154,8 @@ def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks 
     its layers may still stay dense: GGUFFloatMethod checks each)."""
     if torch.device(device).type != "cpu":
         return f"it runs on the CPU only (device {device})"
-    if dtype != torch.float32:
-        return f"it computes in float32 (dtype {str(dtype).removeprefix('torch.')})"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it takes float32 or bfloat16 activations (dtype {str(dtype).removeprefix('torch.')})"
     if gguf is None:
         return "the model was not loaded from a GGUF file"
     if not any(t in NATIVE_QTYPES for _, t in gguf.tensors.values()):
@@ -204,6 +209,8 @@ class GGUFFloatMethod(LinearMethod):
         config: the transformers config (heads, for the q/k row order).
         dense: the dense method: each layer's module for calls above max_rows.
         max_rows: GGUFFloatLinear.max_rows of the layers built (tune() measures it).
+        dtype: the model's dtype (torch.float32 or torch.bfloat16: the layers take it, the blocks are
+            checked against it, the measurement runs in it).
     Attributes:
         native: layers (before fusion) that run on the GGUF's blocks.
         declined: layers the file holds that it declined (blocks of a type
@@ -214,8 +221,9 @@ class GGUFFloatMethod(LinearMethod):
 
     name = "gguf"
 
-    def __init__(self, gguf: GGUFBlocks, config, dense: LinearMethod, max_rows: int = FORCED_MAX_ROWS) -> None:
-        self.gguf, self.dense, self.max_rows = gguf, dense, max_rows
+    def __init__(self, gguf: GGUFBlocks, config, dense: LinearMethod, max_rows: int = FORCED_MAX_ROWS,
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.gguf, self.dense, self.max_rows, self.dtype = gguf, dense, max_rows, dtype
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -246,8 +254,9 @@ class GGUFFloatMethod(LinearMethod):
             weight = _core.cpu.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
             values = torch.empty((n, k), dtype=torch.float32)
             weight.dequantize(values, torch.get_num_threads())
-            if not torch.equal(values, torch.cat([lin.weight.detach() for lin in linears]).float()):
-                why = "the GGUF's blocks are not the model's float32 weights"
+            model = torch.cat([lin.weight.detach() for lin in linears])
+            if not torch.equal(values.to(model.dtype), model):  # a bfloat16 model's weights: the blocks' rounded
+                why = f"the GGUF's blocks are not the model's {str(model.dtype).removeprefix('torch.')} weights"
         if why is not None:
             # a layer the file has no tensor for at all (a router, a projector) was never the blocks' to serve
             self.declined += sum(self.gguf.gguf_name(name) is not None for name in names)
@@ -284,7 +293,8 @@ class GGUFFloatMethod(LinearMethod):
         what = {"shapes": sorted([k, n, len(v), v[0].weight_blocks.qtype] for (k, n), v in by_shape.items()),
                 "rows": list(rows), "dense": sorted({type(v[0].dense).__name__ for v in by_shape.values()}),
                 "above_largest": "blocks",  # the rule for calls above the largest measured count
-                "dense_min_gain": DENSE_MIN_GAIN, "blocks_kernel": BLOCKS_KERNEL_REVISION}
+                "dense_min_gain": DENSE_MIN_GAIN, "blocks_kernel": BLOCKS_KERNEL_REVISION,
+                "dtype": str(self.dtype).removeprefix("torch.")}
         cache = tuner.TunerCache(CACHE_NAME)
         entry = cache.get(what) if use_cache else None
         ms_ok = entry is not None and isinstance(entry.get("ms"), dict) and {"gguf", "dense"} <= set(entry["ms"])
@@ -294,7 +304,7 @@ class GGUFFloatMethod(LinearMethod):
         g = torch.Generator().manual_seed(0)
         gguf_cases, dense_cases = [], []
         for (k, _), layers in by_shape.items():
-            x = torch.randn(max(rows), k, generator=g)
+            x = torch.randn(max(rows), k, generator=g).to(self.dtype)
             layers[0].max_rows = max(rows)
             gguf_cases.append((layers[0], x, len(layers)))
             dense_cases.append((layers[0].dense, x, len(layers)))
@@ -337,17 +347,17 @@ class GGUFFloatMethod(LinearMethod):
         if (self.tied and isinstance(lm_head, GGUFFloatLinear)
                 and self.gguf.gguf_name("lm_head") == "token_embd.weight"):
             # the same tensor's blocks, already checked against the output layer's weight, which is the embedding's
-            return GGUFEmbedding(lm_head.weight_blocks, scale)
+            return GGUFEmbedding(lm_head.weight_blocks, scale, embed.weight.dtype)
         raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
         if raw.shape[0] != vocab:
             return None
         weight = _core.cpu.QuantizedWeight(raw, entry[1], vocab, hidden)
         values = torch.empty((vocab, hidden), dtype=torch.float32)
         weight.dequantize(values, torch.get_num_threads())
-        if not torch.equal(values, embed.weight.detach().float()):
+        if not torch.equal(values.to(embed.weight.dtype), embed.weight.detach()):
             logger.info("token_embd: the GGUF's blocks are not the model's embedding; it stays dense")
             return None
-        return GGUFEmbedding(weight, scale)
+        return GGUFEmbedding(weight, scale, embed.weight.dtype)
 
     def set_max_rows(self, max_rows: int) -> None:
         """Sets every built layer's max_rows (rows; 0: the blocks are never used)."""

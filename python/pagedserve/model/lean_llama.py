@@ -225,6 +225,8 @@ def native_decoder(lean: LeanLlamaDecoder):
              if not isinstance(getattr(layer, attr), GGUFFloatLinear)]
     if dense:
         return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
+    if lean.norm.dtype != torch.float32:
+        return None, f"the model computes in {str(lean.norm.dtype).removeprefix('torch.')} (the native step in float32)"
     if hasattr(lean.embed_tokens, "weight_blocks"):  # GGUFEmbedding: rows de-quantised per token
         if getattr(lean.embed_tokens, "embed_scale", None) is not None:
             return None, "the embedding is scaled (the C++ decoder reads the rows as they are)"

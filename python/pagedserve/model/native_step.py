@@ -184,6 +184,10 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
                     self.why_not_native = f"model.layers.{i}.{name} is not on GGUF blocks"
                     return
                 self._native_linears.append(module)
+        norm = self.decoder.norm.weight
+        if norm.dtype != torch.float32:
+            self.why_not_native = f"the model computes in {str(norm.dtype).removeprefix('torch.')} (the native step in float32)"
+            return
         embed = self.decoder.embed_tokens
         scale = getattr(embed, "embed_scale", None)
         scale = 1.0 if scale is None else float(torch.as_tensor(scale).float())

@@ -17,7 +17,7 @@ from .. import _core
 from .gguf_format import GGUFBlocks
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, lean_linear_shapes, why_not_lean
-from .linear import DenseMethod, LinearChoice, choose_linear_impl, describe
+from .linear import DenseMethod, LinearChoice, OneDNNLinear, choose_linear_impl, describe
 from .linear_method import LinearMethodTable
 from .native_step import NativeStepDecoder, why_no_native_step
 from .quantization import DENSE_MIN_ROWS, QuantizedMethod, QuantLinear
@@ -41,6 +41,9 @@ class PreparedModel:
         weight_bytes: bytes of the weights the engine computes with.
         linear_layers: per layer type, the method that runs it and why
             (LinearMethodTable.summary: one line each).
+        dense_gemm_layers: names of the linear layers some of whose calls run torch's or oneDNN's GEMM
+            (dense_gemm_layers()): their bits depend on the call's row count, so batch invariance does not
+            cover them.
     """
 
     lean: LeanLlamaDecoder | None
@@ -49,6 +52,47 @@ class PreparedModel:
     linear_path: str
     weight_bytes: int
     linear_layers: str = ""
+    dense_gemm_layers: tuple[str, ...] = ()
+
+
+def dense_gemm_layers(model: torch.nn.Module) -> list[str]:
+    """Names (in ``model``) of the linear layers some of whose calls run a
+    library GEMM (torch.nn.Linear, OneDNNLinear, or a GGUFFloatLinear's dense
+    layer above its row bound): MKL and oneDNN choose their blocking, and so
+    the summation order of a row, by the call's row count (checked on this
+    CPU: every row of a float32 F.linear alone had other bits than in a 40-row
+    call), so batch invariance does not hold for them. The GGUF blocks'
+    kernels and QuantLinear's integer kernel (without its bfloat16 prefill)
+    reduce each row in the same order in any call and are not listed."""
+    names, covered = [], set()
+    for name, module in model.named_modules():
+        if isinstance(module, GGUFFloatLinear):
+            if module.dense is not None:
+                covered.add(id(module.dense))
+                if module.max_rows < UNBOUNDED_ROWS:
+                    names.append(name)
+        elif isinstance(module, QuantLinear):
+            if module.dense_prefill:
+                names.append(name)
+        elif isinstance(module, (torch.nn.Linear, OneDNNLinear)) and id(module) not in covered:
+            names.append(name)
+    return names
+
+
+def describe_batch_invariance(batch_invariant: bool, backend: str, dense_layers) -> str:
+    """The start-up log's account of batch invariance (EngineArgs.batch_invariant):
+    "on", "off (...)", or "on, except ..." naming what does not keep it: the
+    attention backend (only the cpu backend implements it) and the linear
+    layers of dense_gemm_layers() (dense_layers: their names)."""
+    if not batch_invariant:
+        return "off (--no-batch-invariant: split-KV decodes, measured GEMM bounds)"
+    gaps = []
+    if backend != "cpu":
+        gaps.append(f"the {backend} backend's attention (its split-KV depends on the step)")
+    if dense_layers:
+        gaps.append(f"{len(dense_layers)} linear layers on a library GEMM whose bits depend on the call's rows "
+                    f"(e.g. {dense_layers[0]}; only a GGUF's blocks or --quantization run our kernels)")
+    return "on" if not gaps else "on, except " + "; ".join(gaps)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -101,7 +145,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         if why_lean is not None and model_impl == "pagedserve":
             raise ValueError(f"--model-impl pagedserve: no lean forward for this model: {why_lean}")
     table, choice = linear_methods(model, dtype, device, linear_impl, quantization, gguf_path,
-                                   lean_shapes=why_lean is None)
+                                   lean_shapes=why_lean is None, batch_invariant=batch_invariant)
     quantizer, builder = table.method(quantization), table.method("gguf")
     impl = table.methods[0].name
     lean = None
@@ -165,7 +209,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         notes["gguf"] = (_rows_served(builder) + ("" if builder.serves_all else ", larger ones dense")
                          if builder.max_rows > 0 else
                          "the dense path measured much faster at one row: it serves every call")
-    return PreparedModel(lean, why, impl, path, weight_bytes(model), table.summary(notes))
+    return PreparedModel(lean, why, impl, path, weight_bytes(model), table.summary(notes),
+                         tuple(dense_gemm_layers(model)))
 
 
 def _rows_served(builder: GGUFFloatMethod) -> str:
@@ -174,7 +219,8 @@ def _rows_served(builder: GGUFFloatMethod) -> str:
 
 
 def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.device, linear_impl: str,
-                   quantization: str, gguf_path: Path | None, lean_shapes: bool) -> tuple[LinearMethodTable,
+                   quantization: str, gguf_path: Path | None, lean_shapes: bool,
+                   batch_invariant: bool = True) -> tuple[LinearMethodTable,
                                                                                           LinearChoice | None]:
     """The decision table of ``model``'s linear layers (not yet applied),
     with the dense GEMM path's choice (None under --quantization):
@@ -192,7 +238,8 @@ def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         if device.type != "cpu":
             raise ValueError(f"--quantization {quantization} runs on the CPU only (device {device})")
         return LinearMethodTable([QuantizedMethod(quantization, config,
-                                                  GGUFBlocks.read(gguf_path) if gguf_path else None)]), None
+                                                  GGUFBlocks.read(gguf_path) if gguf_path else None,
+                                                  batch_invariant=batch_invariant)]), None
     choice = choose_linear_impl(model, dtype, device, "auto" if linear_impl == "gguf" else linear_impl,
                                 shapes=lean_linear_shapes(model) if lean_shapes else None)
     dense = DenseMethod(choice)
@@ -202,7 +249,7 @@ def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
         if why_gguf is not None and linear_impl == "gguf":
             raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
         if why_gguf is None:
-            return LinearMethodTable([GGUFFloatMethod(gguf, config, dense), dense]), choice
+            return LinearMethodTable([GGUFFloatMethod(gguf, config, dense, dtype=dtype), dense]), choice
     return LinearMethodTable([dense]), choice
 
 

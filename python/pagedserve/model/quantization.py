@@ -138,6 +138,9 @@ class QuantizedMethod(LinearMethod):
         quantization: "q4" or "int8".
         config: the transformers config (heads, for the GGUF q/k row order).
         gguf: the checkpoint's GGUF blocks, or None for a float checkpoint.
+        batch_invariant: every call runs the integer kernel (a row's result never depends on its
+            call's size: the bfloat16 GEMM of large calls rounds and sums otherwise); False lets calls of
+            DENSE_MIN_ROWS+ rows take the bfloat16 path where dense_prefill_available().
     Attributes:
         native: layers that run the checkpoint's own blocks unchanged.
         requantized: layers quantised here from float weights.
@@ -145,7 +148,7 @@ class QuantizedMethod(LinearMethod):
         ValueError: an unknown quantisation.
     """
 
-    def __init__(self, quantization: str, config, gguf: GGUFBlocks | None) -> None:
+    def __init__(self, quantization: str, config, gguf: GGUFBlocks | None, batch_invariant: bool = True) -> None:
         if quantization not in QTYPE:
             raise ValueError(f"quantization must be one of {', '.join(QTYPE)}, got '{quantization}'")
         self.name = quantization
@@ -153,7 +156,7 @@ class QuantizedMethod(LinearMethod):
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.native, self.requantized = 0, 0
-        self.dense_prefill = dense_prefill_available()
+        self.dense_prefill = not batch_invariant and dense_prefill_available()
 
     def blocks(self, linear: torch.nn.Linear, name: str) -> tuple[torch.Tensor, str, bool]:
         """(blocks [N, bytes] uint8, qtype, the file's own) for the layer ``name``
