@@ -88,7 +88,8 @@ def describe_batch_invariance(batch_invariant: bool, backend: str, dense_layers)
         return "off (--no-batch-invariant: split-KV decodes, measured GEMM bounds)"
     gaps = []
     if backend != "cpu":
-        gaps.append(f"the {backend} backend's attention (its split-KV depends on the step)")
+        gaps.append(f"the {backend} backend's attention (only the cpu backend's kernels reduce a query row the "
+                    "same way in any step)")
     if dense_layers:
         gaps.append(f"{len(dense_layers)} linear layers on a library GEMM whose bits depend on the call's rows "
                     f"(e.g. {dense_layers[0]}; only a GGUF's blocks or --quantization run our kernels)")
