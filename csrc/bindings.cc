@@ -274,6 +274,7 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("seq_indices", &flat_view<SO, int32_t, &SO::seq_indices>)
       .def_property_readonly("num_scheduled_tokens", &flat_view<SO, int32_t, &SO::num_scheduled_tokens>)
       .def_property_readonly("num_computed_tokens", &flat_view<SO, int32_t, &SO::num_computed_tokens>)
+      .def_property_readonly("num_draft_tokens", &flat_view<SO, int32_t, &SO::num_draft_tokens>)
       .def_property_readonly("token_ids", &flat_view<SO, int32_t, &SO::token_ids>)
       .def_property_readonly("block_ids", &flat_view<SO, int32_t, &SO::block_ids>)
       .def_property_readonly("block_table_offsets", &flat_view<SO, int32_t, &SO::block_table_offsets>)
@@ -333,6 +334,12 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)
       .def("schedule", &Scheduler::schedule)
       .def("update", &Scheduler::update, py::arg("sampled_token_ids"))
+      .def("add_draft_tokens", &Scheduler::add_draft_tokens, py::arg("request_id"), py::arg("index"),
+           py::arg("draft"))
+      .def("accept_draft_tokens", &Scheduler::accept_draft_tokens, py::arg("request_id"), py::arg("index"),
+           py::arg("num_accepted"))
+      .def_property_readonly("num_draft_tokens", &Scheduler::num_draft_tokens)
+      .def_property_readonly("num_accepted_tokens", &Scheduler::num_accepted_tokens)
       .def("finish_request", &Scheduler::finish_request, py::arg("request_id"), py::arg("reason"))
       .def("abort", &Scheduler::abort, py::arg("request_id"))
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)

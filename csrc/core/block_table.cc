@@ -15,6 +15,13 @@ int64_t BlockTable::slot(int32_t position) const {
          position % block_size_;
 }
 
+int32_t BlockTable::pop_block() {
+  if (block_ids_.empty()) throw InvalidArgumentError("pop_block on an empty block table");
+  const int32_t id = block_ids_.back();
+  block_ids_.pop_back();
+  return id;
+}
+
 void BlockTable::set_block(int32_t i, int32_t block_id) {
   if (i < 0 || i >= num_blocks()) {
     throw InvalidArgumentError("logical block " + std::to_string(i) + " outside block table of " +

@@ -23,6 +23,8 @@ class BlockTable {
   // i is not in [0, num_blocks()).
   void set_block(int32_t i, int32_t block_id);
   void clear() { block_ids_.clear(); }
+  // Removes and returns the last block's id. Throws InvalidArgumentError when empty.
+  int32_t pop_block();
 
   // Physical slot of token position `position` (0-based).
   // Throws InvalidArgumentError if position is negative or >= capacity().

@@ -124,6 +124,23 @@ void KVCacheManager::append(int64_t seq_id, int32_t num_new_tokens) {
   e.num_tokens += num_new_tokens;
 }
 
+void KVCacheManager::truncate(int64_t seq_id, int32_t num_tokens) {
+  entry(seq_id);  // UnknownRequestError for an unknown id
+  Entry& e = tables_.at(seq_id);
+  if (num_tokens < 0 || num_tokens > e.num_tokens) {
+    throw InvalidArgumentError("cannot truncate sequence " + std::to_string(seq_id) + " to " +
+                               std::to_string(num_tokens) + " of its " + std::to_string(e.num_tokens) + " slots");
+  }
+  e.num_tokens = num_tokens;
+  while (e.table.num_blocks() > BlockTable::num_blocks_for(num_tokens, block_size_)) {
+    const int32_t b = e.table.pop_block();
+    pending_copies_.erase(std::remove_if(pending_copies_.begin(), pending_copies_.end(),
+                                         [&](const std::pair<int32_t, int32_t>& c) { return c.second == b; }),
+                          pending_copies_.end());
+    pool_.free(b);
+  }
+}
+
 void KVCacheManager::fork(int64_t parent_seq_id, int64_t child_seq_id) {
   const Entry& parent = entry(parent_seq_id);
   if (has_sequence(child_seq_id)) {

@@ -102,6 +102,7 @@ void Scheduler::insert_running(const SeqPtr& seq) {
 }
 
 void Scheduler::preempt(const SeqPtr& seq) {
+  drop_drafts(*seq, seq->num_draft_tokens);  // unverified: never recomputed as if they were output
   kv_.free(seq->seq_id);
   seq->num_computed_tokens = 0;
   seq->status = SequenceStatus::kWaiting;
@@ -170,10 +171,19 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   // 1. Running sequences in queue order; preempt from the back (newest / worst).
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     SeqPtr seq = running_[i];
+    if (seq->num_draft_tokens > 0) {  // drafts the budget (or the throttle) cannot take go; the real token stays
+      const int32_t room = throttle ? std::min(budget, kv_.block_size()) : budget;
+      drop_drafts(*seq, std::min(seq->num_draft_tokens, seq->num_tokens() - seq->num_computed_tokens - room));
+    }
     int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
     if (throttle) num_new = std::min(num_new, kv_.block_size());
     bool keep = true;
     while (!kv_.can_append(seq->seq_id, num_new)) {
+      if (seq->num_draft_tokens > 0) {  // the drafts' blocks go before anyone is preempted
+        num_new -= seq->num_draft_tokens;
+        drop_drafts(*seq, seq->num_draft_tokens);
+        continue;
+      }
       SeqPtr victim = running_.back();
       running_.pop_back();
       preempt(victim);
@@ -249,6 +259,7 @@ void Scheduler::build_output(SchedulerOutput& out,
     out.seq_indices.push_back(seq->index);
     out.num_scheduled_tokens.push_back(n);
     out.num_computed_tokens.push_back(start);
+    out.num_draft_tokens.push_back(seq->num_draft_tokens);
     out.token_ids.insert(out.token_ids.end(), seq->token_ids.begin() + start, seq->token_ids.begin() + start + n);
     out.block_ids.insert(out.block_ids.end(), table.block_ids().begin(), table.block_ids().end());
     out.block_table_offsets.push_back(static_cast<int32_t>(out.block_ids.size()));
@@ -295,6 +306,11 @@ std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sample
     const size_t first = s;
     s += k;
     if (seq->status != SequenceStatus::kRunning) continue;  // finished since schedule()
+    if (seq->num_draft_tokens > 0) {  // not given to accept_draft_tokens: every draft is kept
+      num_drafts_verified_ += seq->num_draft_tokens;
+      num_drafts_accepted_ += seq->num_draft_tokens;
+      seq->num_draft_tokens = 0;
+    }
     seq->num_computed_tokens += n;
     kv_.cache_full_blocks(seq->seq_id, seq->token_ids, seq->num_computed_tokens);
     if (!samples) continue;

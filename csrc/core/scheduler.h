@@ -92,6 +92,33 @@ class Scheduler {
   // count differs from sum(num_samples) of the last output.
   std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids);
 
+  // Speculative decoding (scheduler_drafts.cc). Appends proposed tokens to
+  // choice `index` of a request (prompt lookup: Saxena 2023; verification:
+  // Leviathan et al. 2023, Chen et al. 2023); the next schedule() computes them
+  // with the sequence's last token in one chunk, so the forward gives logits at
+  // every one of their positions. Drafts the budget, the memory-aware throttle
+  // or the free blocks cannot take are dropped (never the real token, and
+  // before any preemption); a preempted sequence loses its drafts. Returns how
+  // many were appended: 0 unless the sequence runs and decodes (its last token
+  // is its only uncomputed one), has no drafts and is not about to fork; at
+  // most max_tokens - 1 - output tokens, and within max_model_len. Throws
+  // UnknownRequestError for an unknown request or choice.
+  int32_t add_draft_tokens(const std::string& request_id, int32_t index, const std::vector<int32_t>& draft);
+  // Between schedule() and update(): keeps the first num_accepted of the drafts
+  // the last schedule() computed for the choice and drops the rest (their slots
+  // given back, blocks wholly past the kept tokens freed, nothing of them ever
+  // registered in the prefix cache); update() then commits the kept tokens as
+  // computed and appends the sampled token after them. Without this call
+  // update() keeps every draft. The caller accepts no token past a stop token
+  // (update() checks the stop criteria on the sampled token only). Throws
+  // UnknownRequestError, InvalidArgumentError (not scheduled with drafts in the
+  // last step, or num_accepted outside [0, its drafts]).
+  void accept_draft_tokens(const std::string& request_id, int32_t index, int32_t num_accepted);
+  // Speculative tokens proposed and accepted so far (vLLM's spec_decode
+  // num_draft_tokens / num_accepted_tokens), counted when verified.
+  int64_t num_draft_tokens() const { return num_drafts_verified_; }
+  int64_t num_accepted_tokens() const { return num_drafts_accepted_; }
+
   // Ends a request in any state and frees its blocks at once. Returns false if
   // the id is unknown (already finished). reason: kStop (stop string) or kAbort.
   bool finish_request(const std::string& request_id, FinishReason reason);
@@ -126,6 +153,8 @@ class Scheduler {
   bool preempt_for(const Sequence& seq, int32_t num_tokens, const PrefixMatch& match,
                    std::vector<std::pair<SeqPtr, int32_t>>& scheduled, int32_t& budget, SchedulerOutput& out);
   void finish(const SeqPtr& seq, FinishReason reason);
+  SeqPtr find_sequence(const std::string& request_id, int32_t index) const;
+  static void drop_drafts(Sequence& seq, int32_t count);
   SeqPtr fork(const SeqPtr& parent, int32_t index);
   FinishReason check_stop(const Sequence& seq) const;
   void build_output(SchedulerOutput& out, const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const;
@@ -142,6 +171,7 @@ class Scheduler {
   int64_t finished_output_tokens_ = 0, num_finished_ = 0;
   int64_t num_preemptions_ = 0;
   int64_t prefix_queries_ = 0, prefix_hits_ = 0;
+  int64_t num_drafts_verified_ = 0, num_drafts_accepted_ = 0;
 };
 
 }  // namespace pagedserve

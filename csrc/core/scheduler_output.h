@@ -20,6 +20,9 @@ struct SchedulerOutput {
   std::vector<int32_t> seq_indices;           // [B] choice index of each sequence in its request
   std::vector<int32_t> num_scheduled_tokens;  // [B] tokens computed this step (query length)
   std::vector<int32_t> num_computed_tokens;   // [B] tokens already in the KV cache before this step
+  // [B] speculative (draft) tokens among the scheduled ones: the last num_draft_tokens[b] of sequence b's
+  // (0 for all but a decode with drafts); the step computes logits at each scheduled position to verify them.
+  std::vector<int32_t> num_draft_tokens;
   // [T] the scheduled tokens' ids, sequence after sequence (sequence b's start
   // at the prefix sum of num_scheduled_tokens).
   std::vector<int32_t> token_ids;

@@ -45,6 +45,9 @@ struct Sequence {
   SequenceStatus status = SequenceStatus::kWaiting;
   FinishReason finish_reason = FinishReason::kNone;
   int32_t num_preemptions = 0;
+  // Speculative decoding: proposed tokens at the end of token_ids, not yet
+  // verified (Scheduler::add_draft_tokens / accept_draft_tokens); 0 otherwise.
+  int32_t num_draft_tokens = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

@@ -118,6 +118,16 @@ class EngineArgs:
         "user: ~10 vs ~12 ms per token) but the merge rounds differently than a whole pass, and lets large calls "
         "take a measured library GEMM (bfloat16: 1.8x the throughput). A float checkpoint's library GEMMs are "
         "never invariant: the start-up log names them"))
+    speculative: str = field(default="off", metadata=_arg(
+        "speculative decoding: ngram = prompt lookup (the tokens that followed the last n tokens' most recent "
+        "earlier occurrence in the prompt or output are verified in the next step's forward pass, several tokens "
+        "per pass when they are right; greedy requests without penalties, logprobs, grammar or n > 1; the tokens "
+        "are those without it, since every kernel is batch-invariant); off = one token per pass",
+        choices=["off", "ngram"]))
+    num_speculative_tokens: int = field(default=4, metadata=_arg(
+        "--speculative: draft tokens proposed per sequence and step (each costs a query row whether right or not)"))
+    prompt_lookup_max: int = field(default=4, metadata=_arg("--speculative ngram: the longest n-gram matched"))
+    prompt_lookup_min: int = field(default=2, metadata=_arg("--speculative ngram: the shortest n-gram matched"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
@@ -152,6 +162,11 @@ class EngineArgs:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"kv_cache_memory: {e}") from e
+        if not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
+                             f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
         for name, lo in (("max_model_len", 2), ("num_kv_blocks", 1), ("max_num_seqs", 1),
                          ("max_num_batched_tokens", 1), ("kv_cache_memory", 1)):
             v = getattr(self, name)

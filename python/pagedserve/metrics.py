@@ -78,7 +78,8 @@ class EngineMetrics:
 
     MAX_PRIORITY_LABELS = 32
 
-    def __init__(self, model_name: str, max_model_len: int = 32768, per_priority: bool = False) -> None:
+    def __init__(self, model_name: str, max_model_len: int = 32768, per_priority: bool = False,
+                 speculative: bool = False) -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
         r, L = self.registry, ["model_name"]
@@ -106,6 +107,13 @@ class EngineMetrics:
         self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
                                          "Prefix cache hits, in terms of number of cached tokens.")
         self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        # speculative decoding (only when it is on, as vLLM registers them)
+        self.spec_decode_num_drafts = self.spec_decode_num_draft_tokens = self.spec_decode_num_accepted_tokens = None
+        if speculative:
+            self.spec_decode_num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+            self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+            self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens",
+                                                           "Number of accepted tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         self._success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -157,6 +165,15 @@ class EngineMetrics:
             self._advance("queries", prefix_cache_queries, self.prefix_cache_queries)
             self._advance("hits", prefix_cache_hits, self.prefix_cache_hits)
             self._advance("preemptions", num_preemptions, self.num_preemptions)
+
+    def observe_spec_decode(self, num_drafts: int, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One step's speculative decoding: sequences verified, draft tokens
+        computed, of those accepted (acceptance rate = accepted / draft tokens)."""
+        if self.spec_decode_num_drafts is None:
+            return
+        self.spec_decode_num_drafts.inc(num_drafts)
+        self.spec_decode_num_draft_tokens.inc(num_draft_tokens)
+        self.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
 
     def observe_tokens(self, num_prompt_tokens: int, num_generation_tokens: int) -> None:
         """Tokens processed by one engine step (prefill tokens computed, tokens generated)."""

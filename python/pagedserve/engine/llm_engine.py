@@ -34,6 +34,7 @@ from ..sampling_params import SamplingParams
 from ..templates import load_chat_template
 from .outputs import Logprob, RequestOutput
 from .request import Request
+from .spec_decode import make_speculative_decoder
 
 logger = logging.getLogger(__name__)
 
@@ -146,12 +147,14 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len, prepared.lean)
         self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        self.spec_decoder = make_speculative_decoder(args, self.scheduler, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
         self.metrics = EngineMetrics(self.model_name, self.max_model_len,
-                                     per_priority=args.scheduling_policy == "priority")
+                                     per_priority=args.scheduling_policy == "priority",
+                                     speculative=args.speculative != "off")
         why_backend = ("auto: the highest-priority backend available here" if args.attention_backend in (None, "auto")
                        else "asked for")
         if variant:
@@ -306,6 +309,8 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns an output for each request that sampled."""
+        if self.spec_decoder is not None:
+            self.spec_decoder.propose(self.requests.values())
         out = self.scheduler.schedule()
         if out.empty:
             return []
@@ -320,9 +325,13 @@ class LLMEngine:
         # the step's shape, for step-cost models (pagedserve.experiments.step_cost)
         self.last_step_shape = (inp.num_tokens, int(inp.seq_lens.sum()))
         prompt_rows = self._prompt_logprob_rows(out, inp, request_ids)
+        drafts = self.spec_decoder.rows(out, inp) if self.spec_decoder is not None else []
         extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
-        logits, extra_hidden = self.runner.execute(inp, extra)
+        draft_rows = torch.tensor([i for d in drafts for i in d.rows], dtype=torch.long) if drafts else None
+        logits, extra_hidden = self.runner.execute(inp, extra, draft_rows)
         self._record_prompt_logprobs(prompt_rows, extra_hidden)
+        num_sampling = len(inp.logits_indices)
+        logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
 
         rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
         for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
@@ -333,6 +342,7 @@ class LLMEngine:
                                     [c.output_token_ids for c in choices], grammars))
             slots += [(req.request_id, first + j) for j in range(k)]
         sampled = self.sampler(logits, rows)
+        kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids)
         logprob_of = {}
         for slot, tok, lp, top in zip(slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
             if lp is not None:
@@ -344,7 +354,11 @@ class LLMEngine:
             choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
             grammar_ended = choice.grammar is not None and self._advance_grammar(choice, upd.token_id)
-            if choice.append_token(upd.token_id, logprob_of.get((req.request_id, upd.index))):
+            if any(choice.append_token(t) for t in kept.get((req.request_id, upd.index), ())):
+                # a stop string ended the output inside the kept drafts: the tokens after it are not output
+                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
+                choice.finish("stop", stop_string=True)
+            elif choice.append_token(upd.token_id, logprob_of.get((req.request_id, upd.index))):
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop", stop_string=True)
             elif upd.finished:
@@ -353,7 +367,27 @@ class LLMEngine:
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop")
             touched[req.request_id] = req
-        return self._make_outputs(touched.values(), len(sampled.token_ids))
+        return self._make_outputs(touched.values(), len(sampled.token_ids) + sum(map(len, kept.values())))
+
+    def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]],
+                       sampled_tokens: list[int]) -> dict[tuple[str, int], list[int]]:
+        """Verifies the step's drafts (SpeculativeDecoder.verify) from their
+        rows' logits [D, vocab] float32 and puts each sequence's token
+        after its kept drafts in its place in sampled_tokens (the list update()
+        takes). Returns the kept drafts per (request_id, choice index)."""
+        if not drafts:
+            return {}
+        where = {slot: i for i, slot in enumerate(slots)}
+        pos = [where[(d.request_id, d.index)] for d in drafts]
+        verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos],
+                                            [self.requests[d.request_id].params for d in drafts])
+        kept = {}
+        for d, v, i in zip(drafts, verified, pos):
+            sampled_tokens[i] = v.token_id
+            kept[(d.request_id, d.index)] = v.accepted
+        self.metrics.observe_spec_decode(len(drafts), sum(len(d.drafts) for d in drafts),
+                                         sum(len(v.accepted) for v in verified))
+        return kept
 
     @staticmethod
     def _advance_grammar(choice, token_id: int) -> bool:

@@ -66,8 +66,8 @@ class ModelRunner:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, inp, extra_logits_indices: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def execute(self, inp, extra_logits_indices: torch.Tensor | None = None,
+                draft_logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over all scheduled tokens of all sequences.
 
         Args:
@@ -76,9 +76,13 @@ class ModelRunner:
                 block_tables, blocks_to_copy int32), or anything with those arrays.
             extra_logits_indices: [E] int64 positions in the flat batch whose
                 logits are wanted too (prompt logprobs), or None.
+            draft_logits_indices: [D] int64 positions whose logits verify
+                speculative drafts, or None: computed in the same output-layer
+                call as the sampling rows (one read of its weights), appended
+                after them.
         Returns:
-            (logits [S, vocab] float32 on the CPU, S = len(inp.logits_indices),
-            in the order of the scheduler's sampling_seq_indices; the final hidden
+            (logits [S + D, vocab] float32 on the CPU, S = len(inp.logits_indices),
+            in the order of the scheduler's sampling_seq_indices, then the D draft rows; the final hidden
             states [E, hidden] at extra_logits_indices, or None: compute_logits
             turns them into logits a slice at a time, so E x vocab floats never
             exist at once).
@@ -102,7 +106,10 @@ class ModelRunner:
                                       use_cache=False).last_hidden_state[0]
         # index_select, not hidden[idx]: on the CPU advanced indexing runs as a parallel op even for a few rows,
         # and torch's OpenMP thread it wakes then spins for milliseconds on the core our kernels' next call needs
-        logits = self.compute_logits(hidden.index_select(0, self._to_device(inp.logits_indices)))
+        rows = self._to_device(inp.logits_indices)
+        if draft_logits_indices is not None and draft_logits_indices.numel():
+            rows = torch.cat([rows, draft_logits_indices.to(self.device)])
+        logits = self.compute_logits(hidden.index_select(0, rows))
         extra = None
         if extra_logits_indices is not None and extra_logits_indices.numel():
             extra = hidden.index_select(0, extra_logits_indices.to(self.device))

@@ -1,0 +1,152 @@
+"""Speculative decoding in the engine step (``--speculative ngram``): draft
+tokens proposed before schedule(), verified on the same forward pass as the
+rest of the step, the verified prefix kept.
+
+A sequence with k drafts is scheduled as k + 1 query tokens (its last token,
+then the drafts: Scheduler.add_draft_tokens). The forward pass gives logits at
+each of them: the row of the last token predicts draft 1, the row of draft i
+predicts draft i + 1, and the last row (the step's ordinary sampling row)
+predicts the token after them all. Greedy acceptance (Leviathan et al., "Fast
+Inference from Transformers via Speculative Decoding", 2023, at temperature 0)
+keeps the longest prefix of drafts equal to the model's argmax at their
+positions, then takes the model's own token after that prefix: the tokens are
+exactly those of one forward pass per token, provided a row's logits do not
+depend on how many rows share its step (batch invariance, the default on the
+cpu backend). The rejected drafts' slots and blocks are given back and never
+reach the prefix cache (Scheduler.accept_draft_tokens).
+
+Only greedy requests without penalties, grammar, logprobs or n > 1 are
+proposed for; the others decode one token per step in the same batch.
+Rejection sampling for temperature > 0 is not implemented yet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..sampling_params import SamplingParams
+from .ngram_proposer import NgramProposer
+
+
+@dataclass
+class DraftRows:
+    """One sequence's drafts in a step.
+
+    Attributes:
+        request_id, index: the sequence (request, choice index).
+        drafts: the draft token ids the step computes (after any the scheduler dropped).
+        rows: [len(drafts)] flat-batch indices of the rows predicting each draft
+            (the sequence's last verified token, then every draft but the last).
+    """
+
+    request_id: str
+    index: int
+    drafts: list[int]
+    rows: list[int]
+
+
+@dataclass
+class Verified:
+    """A sequence's verification.
+
+    Attributes:
+        accepted: the drafts kept, in order (they are output tokens now).
+        token_id: the token the step samples after them (the model's argmax
+            there, or the stop token that ended the kept drafts).
+    """
+
+    accepted: list[int]
+    token_id: int
+
+
+def eligible(params: SamplingParams) -> bool:
+    """Whether a request's tokens may be proposed for: greedy, no penalties,
+    no grammar, no logprobs, one choice (see the module docstring)."""
+    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+            and params.logprobs is None and params.n == 1)
+
+
+class SpeculativeDecoder:
+    """The engine's speculative-decoding step parts (see the module docstring).
+
+    Args:
+        scheduler: the engine's _core.Scheduler.
+        proposer: where drafts come from (NgramProposer).
+        eos_token_ids: the model's end-of-sequence ids (a kept draft ends the
+            sequence there unless the request ignores EOS).
+    """
+
+    def __init__(self, scheduler, proposer: NgramProposer, eos_token_ids: list[int]) -> None:
+        self.scheduler, self.proposer, self.eos_token_ids = scheduler, proposer, set(eos_token_ids)
+
+    def propose(self, requests) -> None:
+        """Before schedule(): adds drafts to every eligible choice that has
+        output (requests: the engine's Request objects). The scheduler takes
+        them only for a running decode and caps them by max_tokens and
+        max_model_len."""
+        for req in requests:
+            if not eligible(req.params) or req.finished:
+                continue
+            for choice in req.choices:
+                if choice.finish_reason is not None or not choice.output_token_ids:
+                    continue
+                draft = self.proposer.propose(req.prompt_token_ids + choice.output_token_ids)
+                if draft:
+                    self.scheduler.add_draft_tokens(req.request_id, choice.index, draft)
+
+    @staticmethod
+    def rows(out, inp) -> list[DraftRows]:
+        """The step's sequences with drafts (out: SchedulerOutput, inp: its
+        ModelInput), each with the flat rows whose logits verify them."""
+        counts = out.num_draft_tokens
+        if not counts.any():
+            return []
+        qsl, tokens = inp.query_start_loc, out.token_ids
+        request_ids, seq_indices = out.request_ids, out.seq_indices
+        found = []
+        for b in np.flatnonzero(counts).tolist():
+            k, end = int(counts[b]), int(qsl[b + 1])
+            found.append(DraftRows(request_ids[b], int(seq_indices[b]), tokens[end - k:end].tolist(),
+                                   list(range(end - k - 1, end - 1))))
+        return found
+
+    def verify(self, drafts: list[DraftRows], logits: torch.Tensor, last_tokens: list[int],
+               params: list[SamplingParams]) -> list[Verified]:
+        """Greedy acceptance: for each sequence, the leading drafts equal to
+        the argmax of their rows' logits (logits [sum of len(rows), V] float32,
+        row after row), cut after a stop token; then the argmax after them
+        (last_tokens[i]: the step's sampled token after all of sequence i's
+        drafts). Tells the scheduler how many it keeps (accept_draft_tokens)."""
+        argmax = logits.numpy().argmax(axis=1).tolist() if logits.shape[0] else []
+        results, at = [], 0
+        for d, last, p in zip(drafts, last_tokens, params):
+            want = argmax[at:at + len(d.drafts)]
+            at += len(d.drafts)
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
+            n = 0
+            while n < len(d.drafts) and d.drafts[n] == want[n]:
+                n += 1
+                if d.drafts[n - 1] in stops:  # the sequence ends at this token: it becomes the sampled one
+                    break
+            if n and d.drafts[n - 1] in stops:
+                accepted, token = d.drafts[:n - 1], d.drafts[n - 1]
+            else:
+                accepted, token = d.drafts[:n], (want[n] if n < len(d.drafts) else last)
+            self.scheduler.accept_draft_tokens(d.request_id, d.index, len(accepted))
+            results.append(Verified(accepted, token))
+        return results
+
+
+def make_speculative_decoder(args, scheduler, eos_token_ids: list[int]) -> SpeculativeDecoder | None:
+    """The engine's SpeculativeDecoder for EngineArgs ``args`` (None when
+    args.speculative is "off")."""
+    if args.speculative == "off":
+        return None
+    proposer = NgramProposer(args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max)
+    return SpeculativeDecoder(scheduler, proposer, eos_token_ids)
+
+
+__all__ = ["DraftRows", "SpeculativeDecoder", "Verified", "eligible", "make_speculative_decoder"]
