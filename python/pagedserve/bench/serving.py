@@ -32,6 +32,9 @@ end of stream). Token check: a request passes when the server produced exactly
 that fail (HTTP error, error event, a stream cut short) or produce another
 number of tokens are listed, never dropped; the exit status is then 1.
 
+--workload grounded asks for those words repeated word for word (an
+input-grounded task, as editing or summarising are; best with --endpoint chat).
+
 Prompt length: --input-len words drawn from a list of common English words,
 each one token in the usual BPE vocabularies; the table shows the mean prompt
 length that the servers report (``usage.prompt_tokens``: the chat endpoint adds
@@ -82,6 +85,20 @@ def synthetic_prompts(count: int, input_len: int, seed: int, start: int = 0) -> 
         words = [rng.choice(WORDS) for _ in range(input_len)]
         words[0] = words[0].capitalize()
         prompts.append(" ".join(words) + ".")
+    return prompts
+
+
+GROUNDED_INSTRUCTION = "Repeat the following text exactly, word for word:\n\n"
+
+
+def workload_prompts(workload: str, count: int, input_len: int, seed: int, start: int = 0) -> list[str]:
+    """synthetic_prompts(count, input_len, seed, start) for the "words"
+    workload; for "grounded" each of them as a passage to repeat after
+    GROUNDED_INSTRUCTION (an input-grounded task: the answer quotes the prompt,
+    as in editing and summarising, where prompt-lookup speculation pays)."""
+    prompts = synthetic_prompts(count, input_len, seed, start)
+    if workload == "grounded":
+        prompts = [GROUNDED_INSTRUCTION + p for p in prompts]
     return prompts
 
 
@@ -372,13 +389,14 @@ async def bench_server(server: Server, args, loads: list[dict], headers: dict, l
             return send
 
         if args.warmup:
-            warm = synthetic_prompts(args.warmup, args.input_len, args.seed, start=-args.warmup)
+            warm = workload_prompts(args.workload, args.warmup, args.input_len, args.seed, start=-args.warmup)
             got = await closed_loop(sender(warm), args.warmup, args.warmup)
             failed = [r.error for r in got if r.error]
             if failed:
                 log(f"{server.label}: {len(failed)} of {args.warmup} warm-up request(s) failed: {failed[0]}")
         for k, load in enumerate(loads):
-            prompts = synthetic_prompts(args.num_requests, args.input_len, args.seed, start=k * args.num_requests)
+            prompts = workload_prompts(args.workload, args.num_requests, args.input_len, args.seed,
+                                       start=k * args.num_requests)
             send = sender(prompts)
             if load["mode"] == "concurrency":
                 results = await closed_loop(send, args.num_requests, load["concurrency"])
@@ -416,7 +434,7 @@ def _f(x, spec: str = ".1f") -> str:
 
 def format_report(runs: list[dict], rows: list[dict], args) -> str:
     """The Markdown tables (results, then the ratios when several servers ran) and the problems."""
-    lines = [f"{args.num_requests} requests per run, prompts of {args.input_len} words, {args.output_len} output "
+    lines = [f"{args.num_requests} requests per run, prompts of {args.input_len} words ({args.workload}), {args.output_len} output "
              f"tokens, temperature 0{', ignore_eos' if not args.no_ignore_eos else ''}, "
              f"/v1/{'chat/completions' if args.endpoint == 'chat' else 'completions'} streamed, seed {args.seed}; "
              f"latencies in ms", "",
@@ -555,6 +573,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> tuple[argpars
     req = ap.add_argument_group("requests")
     req.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
                      help="/v1/completions with a prompt, or /v1/chat/completions with one user message")
+    req.add_argument("--workload", choices=["words", "grounded"], default="words",
+                     help="words: the --input-len words as the prompt (default); grounded: an instruction to repeat "
+                          "them word for word (input-grounded output, where --speculative ngram pays)")
     req.add_argument("--num-requests", type=_positive_int, default=32, help="requests per run (default 32)")
     req.add_argument("--input-len", type=_positive_int, default=128,
                      help="prompt length in words, about one token each (default 128)")

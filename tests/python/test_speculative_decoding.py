@@ -1,0 +1,127 @@
+"""Speculative decoding (--speculative ngram, issue 28 part 2): prompt-lookup
+proposals, greedy acceptance, and outputs identical to decoding without it.
+The scheduler's side (drafts scheduled, rolled back, never cached) is
+tests/cpp/test_speculative_scheduling.cc."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from pagedserve.engine.ngram_proposer import NgramProposer
+from pagedserve.engine.spec_decode import DraftRows, SpeculativeDecoder, eligible
+
+
+def test_the_proposer_takes_the_longest_most_recent_match():
+    p = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=3)
+    # "7 8 9" occurs at 0 and at 5: the most recent earlier occurrence (5) wins; its followers 4 5 are cut by the end
+    assert p.propose([7, 8, 9, 1, 2, 7, 8, 9, 4, 5, 7, 8, 9]) == [4, 5, 7]
+    # no trigram or bigram match: the unigram 9's most recent earlier occurrence
+    assert p.propose([9, 1, 2, 3, 5, 9]) == [1, 2, 3]
+    assert p.propose([1, 2, 3, 4]) == []  # nothing repeats
+    assert p.propose([5]) == []
+    assert NgramProposer(2, prompt_lookup_min=2).propose([9, 1, 2, 3, 5, 9]) == []  # unigrams not allowed
+    longest = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=2)
+    # the bigram "1 2" (at 3) beats the unigram "2"'s more recent occurrence (at 6)
+    assert longest.propose([0, 0, 0, 1, 2, 8, 2, 5, 1, 2]) == [8, 2]
+    with pytest.raises(ValueError):
+        NgramProposer(0)
+    with pytest.raises(ValueError):
+        NgramProposer(2, prompt_lookup_min=3, prompt_lookup_max=2)
+
+
+class _Scheduler:
+    def __init__(self):
+        self.accepted = []
+
+    def accept_draft_tokens(self, request_id, index, n):
+        self.accepted.append((request_id, index, n))
+
+
+def test_verification_keeps_the_matching_prefix_and_stops_at_a_stop_token():
+    sched = _Scheduler()
+    spec = SpeculativeDecoder(sched, NgramProposer(3), eos_token_ids=[2])
+    vocab = 16
+
+    def logits_for(tokens):  # one row per draft: its argmax is the model's prediction there
+        x = torch.zeros(len(tokens), vocab)
+        x[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return x
+
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    drafts = [DraftRows("a", 0, [5, 6, 7], [0, 1, 2]),   # the model agrees on 5, 6, not 7: keeps 5 6, samples 9
+              DraftRows("b", 0, [5, 6], [3, 4]),         # all kept: the step's own token follows
+              DraftRows("c", 0, [4, 2, 3], [5, 6, 7]),   # EOS (2) agreed on: it ends the sequence as the sampled token
+              DraftRows("d", 0, [4, 2, 3], [8, 9, 10])]  # ignore_eos: EOS is an ordinary token
+    model = [5, 6, 9] + [5, 6] + [4, 2, 3] + [4, 2, 3]
+    out = spec.verify(drafts, logits_for(model), [11, 12, 13, 14],
+                      [greedy, greedy, greedy, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)])
+    assert [(v.accepted, v.token_id) for v in out] == [([5, 6], 9), ([5, 6], 12), ([4], 2), ([4, 2, 3], 14)]
+    assert sched.accepted == [("a", 0, 2), ("b", 0, 2), ("c", 0, 1), ("d", 0, 3)]
+
+
+def test_only_plain_greedy_requests_are_proposed_for():
+    assert eligible(SamplingParams(temperature=0))
+    assert not eligible(SamplingParams(temperature=0.7))
+    assert not eligible(SamplingParams(temperature=0, logprobs=1))
+    assert not eligible(SamplingParams(temperature=0, repetition_penalty=1.2))
+    assert not eligible(SamplingParams(temperature=0, n=2))
+
+
+def _repetitive_prompts(n: int) -> list[list[int]]:
+    """Token-id prompts that repeat a random phrase (the model tends to go on
+    repeating it, so prompt lookup proposes and the model accepts), and plain
+    random ones."""
+    g = torch.Generator().manual_seed(7)
+    prompts = []
+    for i in range(n):
+        phrase = torch.randint(100, 20000, (int(torch.randint(4, 12, (1,), generator=g)),), generator=g).tolist()
+        prompts.append(phrase * 4 if i % 3 else torch.randint(100, 20000, (30,), generator=g).tolist())
+    return prompts
+
+
+def _tokens(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_greedy_tokens_equal_decoding_without_speculation_under_load_and_preemption():
+    prompts = _repetitive_prompts(12)
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    base = LLM(enable_prefix_caching=False)
+    want = [_tokens(base.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    want_sampled = _tokens(base.generate(prompts[:2], sampled, use_tqdm=False))
+    del base
+
+    spec = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=True)
+    assert _tokens(spec.generate(prompts, greedy, use_tqdm=False)) == want  # all at once
+    # a seeded sampling request in the same batches takes no drafts and samples what it did alone
+    mixed = spec.generate(prompts[:6] + prompts[:2], [greedy] * 6 + [sampled] * 2, use_tqdm=False)
+    assert _tokens(mixed) == want[:6] + want_sampled
+    s = spec.engine.scheduler
+    assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+    metrics = spec.engine.metrics
+    assert metrics.spec_decode_num_accepted_tokens._value.get() == s.num_accepted_tokens
+    assert metrics.spec_decode_num_draft_tokens._value.get() == s.num_draft_tokens
+    assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
+    del spec
+
+    # a pool of 24 blocks of 16 tokens for 12 sequences of up to 88 tokens: preemptions drop drafts
+    tiny = LLM(speculative="ngram", enable_prefix_caching=False, num_kv_blocks=24, max_num_batched_tokens=64)
+    assert _tokens(tiny.generate(prompts, greedy, use_tqdm=False)) == want
+    assert tiny.engine.scheduler.num_preemptions > 0 and tiny.engine.scheduler.num_accepted_tokens > 0
+    assert tiny.engine.scheduler.kv_cache_manager.num_free_blocks == 24
+
+
+def test_stop_strings_and_max_tokens_end_a_speculative_output_where_they_would_without_it():
+    base = LLM(enable_prefix_caching=False)
+    spec = LLM(speculative="ngram", num_speculative_tokens=6, enable_prefix_caching=False)
+    text = "one two three four five six seven eight nine ten. " * 3
+    prompt = f"Repeat: {text}\nAgain: {text[:60]}"
+    for params in (SamplingParams(temperature=0, max_tokens=30, stop=["seven"]),
+                   SamplingParams(temperature=0, max_tokens=7),
+                   SamplingParams(temperature=0, max_tokens=30, stop=["eight", "nine"])):
+        a = base.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        b = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert (b.text, list(b.token_ids), b.finish_reason) == (a.text, list(a.token_ids), a.finish_reason)
+    assert spec.engine.scheduler.num_accepted_tokens > 0
