@@ -635,9 +635,11 @@ TEST(QuantLinear, BadArgumentsRaiseKernelArgumentError) {
   EXPECT_THROW(w.linear(X, O, &Bb, 1), KernelArgumentError);
   EXPECT_THROW(w.linear(X, O, nullptr, 0), KernelArgumentError);
   EXPECT_THROW(w.linear(X, O, nullptr, 100000), KernelArgumentError);
-  // linear_f32: float32 only, the same shape / layout / bias / thread checks
+  // linear_f32: float32, or bfloat16 in and out; the same shape / layout / bias / thread checks
   EXPECT_NO_THROW(w.linear_f32(X, O, &B, 2));
-  EXPECT_THROW(w.linear_f32(arg(xb, {m, k}, DType::kBFloat16, "x"), arg(outb, {m, n}, DType::kBFloat16, "out"),
+  EXPECT_NO_THROW(w.linear_f32(arg(xb, {m, k}, DType::kBFloat16, "x"), arg(outb, {m, n}, DType::kBFloat16, "out"),
+                               nullptr, 1));
+  EXPECT_THROW(w.linear_f32(arg(xb, {m, k}, DType::kFloat16, "x"), arg(outb, {m, n}, DType::kFloat16, "out"),
                             nullptr, 1),
                KernelArgumentError);
   EXPECT_THROW(w.linear_f32(arg(xb, {m, k}, DType::kBFloat16, "x"), O, nullptr, 1), KernelArgumentError);
