@@ -127,7 +127,9 @@ void KVCacheManager::append(int64_t seq_id, int32_t num_new_tokens) {
 void KVCacheManager::truncate(int64_t seq_id, int32_t num_tokens) {
   entry(seq_id);  // UnknownRequestError for an unknown id
   Entry& e = tables_.at(seq_id);
-  if (num_tokens < 0 || num_tokens > e.num_tokens) {
+  // never into the full blocks whose hashes are known (computed K/V the prefix cache may hold)
+  const int32_t hashed = static_cast<int32_t>(e.hashes.size()) * block_size_;
+  if (num_tokens < hashed || num_tokens > e.num_tokens) {
     throw InvalidArgumentError("cannot truncate sequence " + std::to_string(seq_id) + " to " +
                                std::to_string(num_tokens) + " of its " + std::to_string(e.num_tokens) + " slots");
   }

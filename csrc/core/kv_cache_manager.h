@@ -74,8 +74,8 @@ class KVCacheManager {
   // Gives back seq_id's reserved slots past the first num_tokens (rejected
   // speculative tokens): its count of reserved slots becomes num_tokens and
   // the blocks wholly past them return to the pool (refcount -1). Throws
-  // UnknownRequestError, InvalidArgumentError unless 0 <= num_tokens <= the
-  // reserved count.
+  // UnknownRequestError, InvalidArgumentError unless num_tokens lies between
+  // the tokens of its hashed full blocks and the reserved count.
   void truncate(int64_t seq_id, int32_t num_tokens);
 
   // Gives child_seq_id the same blocks as parent_seq_id (shared, refcount +1),

@@ -171,19 +171,11 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   // 1. Running sequences in queue order; preempt from the back (newest / worst).
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     SeqPtr seq = running_[i];
-    if (seq->num_draft_tokens > 0) {  // drafts the budget (or the throttle) cannot take go; the real token stays
-      const int32_t room = throttle ? std::min(budget, kv_.block_size()) : budget;
-      drop_drafts(*seq, std::min(seq->num_draft_tokens, seq->num_tokens() - seq->num_computed_tokens - room));
-    }
-    int32_t num_new = std::min(seq->num_tokens() - seq->num_computed_tokens, budget);
+    // the real tokens only: drafts come last (3.), from what every real token and admission left
+    int32_t num_new = std::min(seq->num_tokens() - seq->num_draft_tokens - seq->num_computed_tokens, budget);
     if (throttle) num_new = std::min(num_new, kv_.block_size());
     bool keep = true;
     while (!kv_.can_append(seq->seq_id, num_new)) {
-      if (seq->num_draft_tokens > 0) {  // the drafts' blocks go before anyone is preempted
-        num_new -= seq->num_draft_tokens;
-        drop_drafts(*seq, seq->num_draft_tokens);
-        continue;
-      }
       SeqPtr victim = running_.back();
       running_.pop_back();
       preempt(victim);
@@ -236,6 +228,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
     budget -= num_new;
   }
 
+  schedule_drafts(scheduled, budget, throttle);
   build_output(*out, scheduled);
   for (const auto& [src, dst] : kv_.take_pending_copies()) {
     out->blocks_to_copy.push_back(src);
@@ -306,12 +299,9 @@ std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sample
     const size_t first = s;
     s += k;
     if (seq->status != SequenceStatus::kRunning) continue;  // finished since schedule()
-    if (seq->num_draft_tokens > 0) {  // not given to accept_draft_tokens: every draft is kept
-      num_drafts_verified_ += seq->num_draft_tokens;
-      num_drafts_accepted_ += seq->num_draft_tokens;
-      seq->num_draft_tokens = 0;
-    }
-    seq->num_computed_tokens += n;
+    // drafts not given to accept_draft_tokens are unverified: rejected
+    const int32_t computed = n - reject_drafts(*seq, seq->num_draft_tokens);
+    seq->num_computed_tokens += computed;
     kv_.cache_full_blocks(seq->seq_id, seq->token_ids, seq->num_computed_tokens);
     if (!samples) continue;
     std::vector<SeqPtr> children;  // fork before the parent's own token goes in
@@ -382,7 +372,9 @@ std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id, 
   auto it = requests_.find(request_id);
   if (it != requests_.end()) {
     for (const SeqPtr& seq : it->second) {
-      if (seq->index == index) return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end()};
+      if (seq->index == index) {
+        return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end() - seq->num_draft_tokens};
+      }
     }
   }
   throw UnknownRequestError("unknown request '" + request_id + "' or choice " + std::to_string(index));

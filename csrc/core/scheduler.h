@@ -11,7 +11,8 @@
 // Policy of schedule():
 //  1. Running sequences, in queue order (fcfs/memory-aware: admission order;
 //     priority: best (priority, arrival) first), each get min(remaining,
-//     budget) tokens: 1 for a decode, a chunk of the prompt for an unfinished
+//     budget) tokens: 1 for a decode (then up to its draft tokens, after step 2:
+//     speculative decoding), a chunk of the prompt for an unfinished
 //     prefill (memory-aware above high_watermark: at most one block's worth).
 //     If a sequence cannot get its blocks, the last running sequence (newest;
 //     priority: worst) is preempted (blocks freed, num_computed_tokens = 0,
@@ -96,9 +97,11 @@ class Scheduler {
   // choice `index` of a request (prompt lookup: Saxena 2023; verification:
   // Leviathan et al. 2023, Chen et al. 2023); the next schedule() computes them
   // with the sequence's last token in one chunk, so the forward gives logits at
-  // every one of their positions. Drafts the budget, the memory-aware throttle
-  // or the free blocks cannot take are dropped (never the real token, and
-  // before any preemption); a preempted sequence loses its drafts. Returns how
+  // every one of their positions. schedule() takes drafts last: every real
+  // token and admission first, then the drafts from the budget and free blocks
+  // left (none above the memory-aware high-water mark), so speculation never
+  // costs another sequence its turn or a preemption; drafts it cannot take, and
+  // those of a sequence it does not schedule or preempts, are dropped. Returns how
   // many were appended: 0 unless the sequence runs and decodes (its last token
   // is its only uncomputed one), has no drafts and is not about to fork; at
   // most max_tokens - 1 - output tokens, and within max_model_len. Throws
@@ -109,7 +112,7 @@ class Scheduler {
   // given back, blocks wholly past the kept tokens freed, nothing of them ever
   // registered in the prefix cache); update() then commits the kept tokens as
   // computed and appends the sampled token after them. Without this call
-  // update() keeps every draft. The caller accepts no token past a stop token
+  // update() rejects every draft. The caller accepts no token past a stop token
   // (update() checks the stop criteria on the sampled token only). Throws
   // UnknownRequestError, InvalidArgumentError (not scheduled with drafts in the
   // last step, or num_accepted outside [0, its drafts]).
@@ -138,7 +141,7 @@ class Scheduler {
   PrefixCacheStats prefix_cache_stats() const {
     return {prefix_queries_, prefix_hits_, kv_.num_evictions()};
   }
-  // Output token ids so far of choice `index`. Throws UnknownRequestError.
+  // Output token ids so far of choice `index` (not its unverified drafts). Throws UnknownRequestError.
   std::vector<int32_t> output_token_ids(const std::string& request_id, int32_t index = 0) const;
   const KVCacheManager& kv_cache_manager() const { return kv_; }
   const SchedulerConfig& config() const { return config_; }
@@ -155,6 +158,8 @@ class Scheduler {
   void finish(const SeqPtr& seq, FinishReason reason);
   SeqPtr find_sequence(const std::string& request_id, int32_t index) const;
   static void drop_drafts(Sequence& seq, int32_t count);
+  int32_t reject_drafts(Sequence& seq, int32_t count);
+  void schedule_drafts(std::vector<std::pair<SeqPtr, int32_t>>& scheduled, int32_t& budget, bool throttle);
   SeqPtr fork(const SeqPtr& parent, int32_t index);
   FinishReason check_stop(const Sequence& seq) const;
   void build_output(SchedulerOutput& out, const std::vector<std::pair<SeqPtr, int32_t>>& scheduled) const;

@@ -41,6 +41,40 @@ int32_t Scheduler::add_draft_tokens(const std::string& request_id, int32_t index
   return n;
 }
 
+int32_t Scheduler::reject_drafts(Sequence& seq, int32_t count) {
+  count = std::min(count, seq.num_draft_tokens);
+  if (count <= 0) return 0;
+  num_drafts_verified_ += count;
+  drop_drafts(seq, count);
+  kv_.truncate(seq.seq_id, kv_.num_tokens(seq.seq_id) - count);  // their slots, and blocks wholly past the rest
+  return count;
+}
+
+void Scheduler::schedule_drafts(std::vector<std::pair<SeqPtr, int32_t>>& scheduled, int32_t& budget,
+                                bool throttle) {
+  for (auto& [seq, n] : scheduled) {
+    if (seq->num_draft_tokens == 0) continue;
+    // a decode's real token is scheduled (n == 1): its drafts follow it if the budget and the blocks allow
+    int32_t d = throttle || seq->num_computed_tokens + n + seq->num_draft_tokens != seq->num_tokens()
+                    ? 0
+                    : std::min(seq->num_draft_tokens, budget);
+    if (d > 0 && !kv_.can_append(seq->seq_id, d)) d = 0;
+    drop_drafts(*seq, seq->num_draft_tokens - d);
+    if (d > 0) {
+      kv_.append(seq->seq_id, d);
+      n += d;
+      budget -= d;
+    }
+  }
+  // a running sequence this step did not reach keeps no drafts (they would be stale by its next turn)
+  for (const SeqPtr& seq : running_) {
+    if (seq->num_draft_tokens == 0) continue;
+    const bool in_step = std::any_of(scheduled.begin(), scheduled.end(),
+                                     [&](const std::pair<SeqPtr, int32_t>& s) { return s.first == seq; });
+    if (!in_step) drop_drafts(*seq, seq->num_draft_tokens);
+  }
+}
+
 void Scheduler::accept_draft_tokens(const std::string& request_id, int32_t index, int32_t num_accepted) {
   const SeqPtr seq = find_sequence(request_id, index);
   auto it = std::find_if(last_scheduled_.begin(), last_scheduled_.end(),
@@ -53,13 +87,10 @@ void Scheduler::accept_draft_tokens(const std::string& request_id, int32_t index
     throw InvalidArgumentError("num_accepted " + std::to_string(num_accepted) + " outside [0, " +
                                std::to_string(seq->num_draft_tokens) + "]");
   }
-  const int32_t rejected = seq->num_draft_tokens - num_accepted;
-  num_drafts_verified_ += seq->num_draft_tokens;
+  num_drafts_verified_ += num_accepted;
   num_drafts_accepted_ += num_accepted;
-  seq->num_draft_tokens = rejected;
-  drop_drafts(*seq, rejected);  // num_draft_tokens back to 0
-  it->second -= rejected;
-  kv_.truncate(seq->seq_id, seq->num_computed_tokens + it->second);
+  it->second -= reject_drafts(*seq, seq->num_draft_tokens - num_accepted);
+  seq->num_draft_tokens = 0;  // the kept ones are output tokens now
 }
 
 }  // namespace pagedserve

@@ -122,7 +122,8 @@ class EngineArgs:
         "speculative decoding: ngram = prompt lookup (the tokens that followed the last n tokens' most recent "
         "earlier occurrence in the prompt or output are verified in the next step's forward pass, several tokens "
         "per pass when they are right; greedy requests without penalties, logprobs, grammar or n > 1; the tokens "
-        "are those without it, since every kernel is batch-invariant); off = one token per pass",
+        "are those without it where the engine is batch-invariant, as the start-up log says: with a GGUF model on "
+        "the cpu backend by default); off = one token per pass",
         choices=["off", "ngram"]))
     num_speculative_tokens: int = field(default=4, metadata=_arg(
         "--speculative: draft tokens proposed per sequence and step (each costs a query row whether right or not)"))

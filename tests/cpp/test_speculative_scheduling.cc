@@ -98,11 +98,26 @@ TEST(SpeculativeScheduling, DraftsOnlyForADecodeAndWithinMaxTokensAndTheBudget) 
   EXPECT_EQ(s.add_draft_tokens("a", 0, {501, 502, 503, 504}), 2);
   auto out = s.schedule();
   EXPECT_EQ(out->num_draft_tokens[0], 2);
-  const auto ups = s.update({600});  // no accept_draft_tokens: every draft kept
+  EXPECT_EQ(s.output_token_ids("a"), (std::vector<int32_t>{500}));  // drafts are not output
+  s.accept_draft_tokens("a", 0, 2);
+  const auto ups = s.update({600});
   ASSERT_EQ(ups.size(), 1u);
   EXPECT_EQ(ups[0].finish_reason, FinishReason::kLength);  // 500, 501, 502, 600: max_tokens
   EXPECT_FALSE(s.has_unfinished_requests());
   EXPECT_EQ(s.num_accepted_tokens(), 2);
+
+  // update() without accept_draft_tokens: the drafts are unverified, so none is kept
+  Scheduler u(config(), 64, kBlock);
+  u.add_request("a", prompt(20), stop_after(10));
+  u.schedule();
+  u.update({500});
+  ASSERT_EQ(u.add_draft_tokens("a", 0, {501, 502}), 2);
+  u.schedule();
+  u.update({600});
+  EXPECT_EQ(u.output_token_ids("a"), (std::vector<int32_t>{500, 600}));
+  EXPECT_EQ(u.kv_cache_manager().num_tokens(0), 21);  // the drafts' slots given back
+  EXPECT_EQ(u.num_draft_tokens(), 2);
+  EXPECT_EQ(u.num_accepted_tokens(), 0);
 
   // the budget: 8 tokens a step, another sequence's prefill chunk first in the queue takes 6 of them
   Scheduler t(config(8), 64, kBlock);
@@ -113,12 +128,25 @@ TEST(SpeculativeScheduling, DraftsOnlyForADecodeAndWithinMaxTokensAndTheBudget) 
   auto o = t.schedule();  // a's decode (1) + b's first chunk (7)
   t.update({501});
   EXPECT_EQ(t.add_draft_tokens("a", 0, {1, 2, 3, 4, 5, 6, 7, 8}), 8);
-  o = t.schedule();  // a first in the queue: 1 + 7 drafts fit the 8-token budget, b gets nothing
-  EXPECT_EQ(o->num_scheduled_tokens[0], 8);
-  EXPECT_EQ(o->num_draft_tokens[0], 7);
-  t.accept_draft_tokens("a", 0, 0);
+  o = t.schedule();  // real tokens first: a's 1 and b's next 7-token chunk use the budget, a's drafts are dropped
+  ASSERT_EQ(o->num_seqs(), 2);
+  EXPECT_EQ(o->num_scheduled_tokens[0], 1);
+  EXPECT_EQ(o->num_draft_tokens[0], 0);
+  EXPECT_EQ(o->num_scheduled_tokens[1], 7);
   t.update({502});
   EXPECT_EQ(t.output_token_ids("a"), (std::vector<int32_t>{500, 501, 502}));
+  EXPECT_EQ(t.add_draft_tokens("a", 0, {1, 2, 3, 4, 5, 6, 7, 8}), 8);
+  o = t.schedule();  // b's 16 remaining prompt tokens: 7 of them; then nothing left for drafts again
+  EXPECT_EQ(o->num_draft_tokens[0], 0);
+  t.update({503});
+  for (int i = 0; i < 3; ++i) {  // b's prefill done (its first token), then both decode: drafts fit from now on
+    const auto step = t.schedule();
+    t.update(std::vector<int32_t>(step->sampling_seq_indices.size(), 504 + i));
+  }
+  EXPECT_EQ(t.add_draft_tokens("a", 0, {1, 2, 3}), 3);
+  o = t.schedule();
+  EXPECT_EQ(o->num_draft_tokens[0], 3);
+  EXPECT_EQ(o->num_scheduled_tokens[0], 4);
 }
 
 TEST(SpeculativeScheduling, RejectedDraftsGiveTheirBlocksBackAndNeverReachThePrefixCache) {
@@ -168,6 +196,21 @@ TEST(SpeculativeScheduling, DraftsWithoutBlocksGoBeforeAnyPreemptionAndAPreempte
   EXPECT_EQ(out->num_scheduled_tokens[0], 1);
   s.update({501, 501});
   EXPECT_EQ(s.output_token_ids("a"), (std::vector<int32_t>{500, 501}));
+
+  // another sequence's real token comes before a's drafts: a (16 tokens, 15 computed, 1 block), b (33 tokens,
+  // 2 blocks), 1 block free; a's drafts would need it, b's next token needs it: b gets it, nobody is preempted
+  Scheduler v(config(), 4, kBlock);
+  v.add_request("a", prompt(15), stop_after(12));
+  v.add_request("b", prompt(32, 30), stop_after(12));
+  v.schedule();
+  v.update({500, 500});
+  ASSERT_EQ(v.add_draft_tokens("a", 0, {7, 8, 9, 10}), 4);
+  out = v.schedule();
+  EXPECT_TRUE(out->preempted_request_ids.empty());
+  ASSERT_EQ(out->num_seqs(), 2);
+  EXPECT_EQ(out->num_draft_tokens[0], 0);
+  EXPECT_EQ(out->num_scheduled_tokens[1], 1);
+  EXPECT_EQ(v.kv_cache_manager().num_free_blocks(), 0);
 
   // a sequence preempted with drafts loses them: only verified tokens are recomputed on resume
   Scheduler t(config(), 4, kBlock);

@@ -169,6 +169,13 @@ class LLMEngine:
         logger.info("linear layers: %s", self.linear_path)
         logger.info("linear layers by type:\n  %s", self.linear_layers.replace("\n", "\n  "))
         logger.info("batch invariance: %s", self.batch_invariance)
+        if self.spec_decoder is not None:
+            logger.info("speculative decoding: %s, %d draft tokens, n-grams of %d..%d tokens", args.speculative,
+                        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max)
+            if self.batch_invariance != "on":
+                logger.warning("speculative decoding without full batch invariance (%s): a verified token can "
+                               "differ from decoding without speculation where a row's logits depend on the rows "
+                               "beside it", self.batch_invariance)
         logger.info("memory: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
                     self.weight_bytes / 2**20, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
                     self.max_model_len)
@@ -378,6 +385,12 @@ class LLMEngine:
         if not drafts:
             return {}
         where = {slot: i for i, slot in enumerate(slots)}
+        live = [(d, r) for d, r in zip(drafts, self._draft_row_ranges(drafts)) if d.request_id in self.requests]
+        if len(live) < len(drafts):  # a request ended between schedule() and here: its rows are skipped
+            drafts = [d for d, _ in live]
+            logits = torch.cat([logits[a:b] for _, (a, b) in live]) if live else logits[:0]
+            if not drafts:
+                return {}
         pos = [where[(d.request_id, d.index)] for d in drafts]
         verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos],
                                             [self.requests[d.request_id].params for d in drafts])
@@ -388,6 +401,15 @@ class LLMEngine:
         self.metrics.observe_spec_decode(len(drafts), sum(len(d.drafts) for d in drafts),
                                          sum(len(v.accepted) for v in verified))
         return kept
+
+    @staticmethod
+    def _draft_row_ranges(drafts) -> list[tuple[int, int]]:
+        """[start, end) of each sequence's rows in the step's draft logits."""
+        ranges, at = [], 0
+        for d in drafts:
+            ranges.append((at, at + len(d.rows)))
+            at += len(d.rows)
+        return ranges
 
     @staticmethod
     def _advance_grammar(choice, token_id: int) -> bool:

@@ -114,7 +114,8 @@ class GGUFEmbedding(torch.nn.Module):
     ``dtype``, the rows de-quantised to exactly the model's float32 embedding
     (QuantizedWeight.embedding), times ``embed_scale`` where the model scales
     its embedding (Gemma: sqrt(hidden), as its own module does), in float32,
-    then rounded once to ``dtype``. With a tied
+    then rounded once to ``dtype`` (in bfloat16 the module rounds the weight
+    first: round(round(w) * s), one rounding more than here). With a tied
     output layer the blocks are the output layer's own (one copy for both).
 
     Args:
