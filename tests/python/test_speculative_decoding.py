@@ -60,9 +60,9 @@ def test_verification_keeps_the_matching_prefix_and_stops_at_a_stop_token():
     assert sched.accepted == [("a", 0, 2), ("b", 0, 2), ("c", 0, 1), ("d", 0, 3)]
 
 
-def test_only_plain_greedy_requests_are_proposed_for():
+def test_requests_with_penalties_logprobs_or_forks_are_not_proposed_for():
     assert eligible(SamplingParams(temperature=0))
-    assert not eligible(SamplingParams(temperature=0.7))
+    assert eligible(SamplingParams(temperature=0.7, top_k=20, seed=1))
     assert not eligible(SamplingParams(temperature=0, logprobs=1))
     assert not eligible(SamplingParams(temperature=0, repetition_penalty=1.2))
     assert not eligible(SamplingParams(temperature=0, n=2))
@@ -89,13 +89,14 @@ def test_greedy_tokens_equal_decoding_without_speculation_under_load_and_preempt
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = LLM(enable_prefix_caching=False)
     want = [_tokens(base.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
-    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    # logprobs: not proposed for, so it must sample what it did without speculation
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=1)
     want_sampled = _tokens(base.generate(prompts[:2], sampled, use_tqdm=False))
     del base
 
     spec = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=True)
     assert _tokens(spec.generate(prompts, greedy, use_tqdm=False)) == want  # all at once
-    # a seeded sampling request in the same batches takes no drafts and samples what it did alone
+    # a seeded sampling request with logprobs in the same batches takes no drafts and samples what it did alone
     mixed = spec.generate(prompts[:6] + prompts[:2], [greedy] * 6 + [sampled] * 2, use_tqdm=False)
     assert _tokens(mixed) == want[:6] + want_sampled
     s = spec.engine.scheduler
@@ -125,3 +126,86 @@ def test_stop_strings_and_max_tokens_end_a_speculative_output_where_they_would_w
         b = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert (b.text, list(b.token_ids), b.finish_reason) == (a.text, list(a.token_ids), a.finish_reason)
     assert spec.engine.scheduler.num_accepted_tokens > 0
+
+
+def test_seeded_sampling_under_speculation_is_reproducible_and_exact_with_a_point_mass():
+    spec = SpeculativeDecoder(_Scheduler(), NgramProposer(3), eos_token_ids=[2])
+    certain = torch.full((3, 8), -1e4)
+    certain[:, 5] = 10.0  # p(5) = 1 at every position: a draft of 5 is always kept, any other never
+    hot = SamplingParams(temperature=1.0, max_tokens=10)
+    for seed in range(20):
+        g = torch.Generator().manual_seed(seed)
+        out = spec.verify([DraftRows("a", 0, [5, 5, 3], [0, 1, 2])], certain, [7], [hot], [g])[0]
+        assert (out.accepted, out.token_id) == ([5, 5], 5)  # the third draft (3) rejected, 5 drawn in its place
+    llm = LLM(speculative="ngram", enable_prefix_caching=False)
+    prompts = _repetitive_prompts(6)
+    params = SamplingParams(temperature=0.7, seed=11, max_tokens=24, ignore_eos=True)
+    first = _tokens(llm.generate(prompts, params, use_tqdm=False))
+    assert _tokens(llm.generate(prompts, params, use_tqdm=False)) == first
+    assert llm.engine.scheduler.num_accepted_tokens > 0
+
+
+def _chi_square_p_value(a: list[int], b: list[int]) -> float:
+    """p-value of Pearson's chi-square test that two samples of tokens come from
+    one distribution (2 x K contingency table; categories expected below 5 in
+    either row pooled into one), from the chi-square survival function
+    Q(df / 2, x / 2) (torch.special.gammaincc)."""
+    cats = sorted(set(a) | set(b))
+    na, nb = len(a), len(b)
+    counts = [(a.count(c), b.count(c)) for c in cats]
+    big = [(x, y) for x, y in counts if (x + y) * min(na, nb) / (na + nb) >= 5]
+    small = [(x, y) for x, y in counts if (x + y) * min(na, nb) / (na + nb) < 5]
+    if small:
+        big.append((sum(x for x, _ in small), sum(y for _, y in small)))
+    stat = 0.0
+    for x, y in big:
+        for obs, n in ((x, na), (y, nb)):
+            expected = (x + y) * n / (na + nb)
+            stat += (obs - expected) ** 2 / expected
+    df = len(big) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def test_speculative_sampling_keeps_the_distribution_of_the_verified_token(tmp_path):
+    """A 16-token random Llama samples 3 tokens at temperature 1 after a prompt
+    that ends in its own greedy continuation (so prompt lookup's draft is a
+    likely token: p(draft) ~ 0.8 here), 1,500 seeds with and without
+    speculation (unigram lookup: every first token gets a one-token draft).
+    The second token is the one speculative sampling decides (the draft kept
+    with probability p(d), else a draw from p without d); its distribution,
+    with "the draft" as a category of its own, must be the model's: Pearson's
+    chi-square test of homogeneity fails the test at p < 0.001 (a correct
+    engine fails 1 run in 1,000; seeded, so this run's p-value is fixed:
+    0.15 here). Power, by mutation: drawing the replacement from p itself (d
+    included) moves the draft's share from 0.81 to 0.88 and gives p = 3e-16;
+    keeping every draft (share 1.0) fails the acceptance count first."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0, initializer_range=1.0)
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    lookup = NgramProposer(1, prompt_lookup_min=1)
+    n = 1500
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True) for s in range(n)]
+    prompt = list(range(3, 16)) * 2
+    second = {}
+    for mode in ("off", "ngram"):
+        llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, speculative=mode, prompt_lookup_min=1,
+                  num_speculative_tokens=1, enable_prefix_caching=False, max_num_seqs=256, num_kv_blocks=1024,
+                  max_num_batched_tokens=8192)
+        if mode == "off":
+            greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+            prompt += list(llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+        outs = llm.generate([prompt] * n, params, use_tqdm=False)
+        second[mode] = [-1 if lookup.propose(prompt + [t[0]]) == [t[1]] else t[1]
+                        for t in (o.outputs[0].token_ids for o in outs)]
+        if mode == "ngram":
+            s = llm.engine.scheduler
+            assert s.num_draft_tokens >= n * 9 // 10 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+        del llm
+    share = second["off"].count(-1) / n
+    assert 0.5 < share < 0.95 and len(set(second["off"])) > 3  # the draft likely, not certain
+    assert _chi_square_p_value(second["off"], second["ngram"]) > 1e-3

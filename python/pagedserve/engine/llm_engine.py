@@ -392,8 +392,9 @@ class LLMEngine:
             if not drafts:
                 return {}
         pos = [where[(d.request_id, d.index)] for d in drafts]
-        verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos],
-                                            [self.requests[d.request_id].params for d in drafts])
+        reqs = [self.requests[d.request_id] for d in drafts]
+        verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos], [r.params for r in reqs],
+                                            [r.choices[d.index].generator for r, d in zip(reqs, drafts)])
         kept = {}
         for d, v, i in zip(drafts, verified, pos):
             sampled_tokens[i] = v.token_id

@@ -6,18 +6,29 @@ A sequence with k drafts is scheduled as k + 1 query tokens (its last token,
 then the drafts: Scheduler.add_draft_tokens). The forward pass gives logits at
 each of them: the row of the last token predicts draft 1, the row of draft i
 predicts draft i + 1, and the last row (the step's ordinary sampling row)
-predicts the token after them all. Greedy acceptance (Leviathan et al., "Fast
-Inference from Transformers via Speculative Decoding", 2023, at temperature 0)
-keeps the longest prefix of drafts equal to the model's argmax at their
-positions, then takes the model's own token after that prefix: the tokens are
-exactly those of one forward pass per token, provided a row's logits do not
-depend on how many rows share its step (batch invariance, the default on the
-cpu backend). The rejected drafts' slots and blocks are given back and never
-reach the prefix cache (Scheduler.accept_draft_tokens).
+predicts the token after them all.
 
-Only greedy requests without penalties, grammar, logprobs or n > 1 are
-proposed for; the others decode one token per step in the same batch.
-Rejection sampling for temperature > 0 is not implemented yet.
+At temperature 0, greedy acceptance keeps the longest prefix of drafts equal
+to the model's argmax at their positions, then takes the model's own token
+after that prefix: the tokens are exactly those of one forward pass per
+token, provided a row's logits do not depend on how many rows share its step
+(batch invariance, the default on the cpu backend). At temperature > 0,
+speculative sampling (Leviathan et al., "Fast Inference from Transformers via
+Speculative Decoding", 2023; Chen et al., "Accelerating Large Language Model
+Decoding with Speculative Sampling", 2023) with a deterministic proposal
+(q = a point mass on the draft d): d is kept with probability p(d), p the
+request's sampling distribution at that position (temperature, min-p,
+top-k, top-p); on rejection the token is drawn from p without d,
+renormalised; after every draft is kept, the step's own draw from the last
+row follows. Each emitted token is then distributed as p exactly
+(p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d] = p(x)); the draws
+come from the choice's own generator (seeded requests stay reproducible,
+though not draw-for-draw equal to decoding without speculation). The rejected
+drafts' slots and blocks are given back and never reach the prefix cache
+(Scheduler.accept_draft_tokens).
+
+Requests with penalties, a grammar, logprobs or n > 1 are not proposed for;
+they decode one token per step in the same batch.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..model.sampler import sampling_probs
 from ..sampling_params import SamplingParams
 from .ngram_proposer import NgramProposer
 
@@ -63,9 +75,9 @@ class Verified:
 
 
 def eligible(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be proposed for: greedy, no penalties,
-    no grammar, no logprobs, one choice (see the module docstring)."""
-    return (params.greedy and not params.has_penalties and params.structured_outputs is None
+    """Whether a request's tokens may be proposed for: no penalties, no
+    grammar, no logprobs, one choice (see the module docstring)."""
+    return (not params.has_penalties and params.structured_outputs is None
             and params.logprobs is None and params.n == 1)
 
 
@@ -114,30 +126,54 @@ class SpeculativeDecoder:
         return found
 
     def verify(self, drafts: list[DraftRows], logits: torch.Tensor, last_tokens: list[int],
-               params: list[SamplingParams]) -> list[Verified]:
-        """Greedy acceptance: for each sequence, the leading drafts equal to
-        the argmax of their rows' logits (logits [sum of len(rows), V] float32,
-        row after row), cut after a stop token; then the argmax after them
-        (last_tokens[i]: the step's sampled token after all of sequence i's
-        drafts). Tells the scheduler how many it keeps (accept_draft_tokens)."""
+               params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
+               ) -> list[Verified]:
+        """For each sequence (logits [sum of len(rows), V] float32, row after
+        row; last_tokens[i]: the step's sampled token after all of sequence
+        i's drafts; generators[i]: its choice's generator, None for torch's
+        default): the drafts kept (greedy: the leading ones equal to their
+        rows' argmax; temperature > 0: speculative sampling, see the module
+        docstring), cut after a stop token, which then becomes the sampled
+        token; else the token after them. Tells the scheduler how many it
+        keeps (accept_draft_tokens)."""
         argmax = logits.numpy().argmax(axis=1).tolist() if logits.shape[0] else []
+        generators = generators or [None] * len(drafts)
         results, at = [], 0
-        for d, last, p in zip(drafts, last_tokens, params):
-            want = argmax[at:at + len(d.drafts)]
+        for d, last, p, g in zip(drafts, last_tokens, params, generators):
+            rows = range(at, at + len(d.drafts))
             at += len(d.drafts)
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            n = 0
-            while n < len(d.drafts) and d.drafts[n] == want[n]:
-                n += 1
-                if d.drafts[n - 1] in stops:  # the sequence ends at this token: it becomes the sampled one
+            accepted, token = [], last
+            for draft, row in zip(d.drafts, rows):
+                keep, other = self._judge(draft, logits[row], argmax[row], p, g)
+                if not keep:
+                    token = other
                     break
-            if n and d.drafts[n - 1] in stops:
-                accepted, token = d.drafts[:n - 1], d.drafts[n - 1]
-            else:
-                accepted, token = d.drafts[:n], (want[n] if n < len(d.drafts) else last)
+                if draft in stops:  # the sequence ends at this token: it becomes the sampled one
+                    token = draft
+                    break
+                accepted.append(draft)
             self.scheduler.accept_draft_tokens(d.request_id, d.index, len(accepted))
             results.append(Verified(accepted, token))
         return results
+
+    @staticmethod
+    def _judge(draft: int, row: torch.Tensor, argmax: int, p: SamplingParams,
+               g: torch.Generator | None) -> tuple[bool, int]:
+        """(keep the draft, else the token drawn in its place) at one position:
+        row [V] the logits there, argmax its argmax."""
+        if p.greedy:
+            return draft == argmax, argmax
+        probs = sampling_probs(row, p)
+        if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit, as the sampler does
+            return draft == argmax, argmax
+        if float(torch.rand((), generator=g)) < float(probs[draft]):
+            return True, draft
+        residual = probs.clone()
+        residual[draft] = 0.0
+        if not float(residual.sum()) > 0.0:  # p was a point mass on the draft, so it is kept above; rounding
+            return True, draft
+        return False, int(torch.multinomial(residual, 1, generator=g))
 
 
 def make_speculative_decoder(args, scheduler, eos_token_ids: list[int]) -> SpeculativeDecoder | None:

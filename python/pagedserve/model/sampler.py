@@ -114,15 +114,22 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
-def _draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
-          argmax: int) -> list[int]:
-    """One token per generator from x ([V] logits, penalised if need be):
-    temperature, min-p, top-k, top-p, softmax, multinomial. argmax: x's argmax,
-    the limit when the tempered logits overflow."""
+def sampling_probs(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request samples from: x [V] logits
+    (penalised if need be) -> [V] float32 probabilities after temperature,
+    min-p, top-k and top-p (not finite where the tempered logits overflow)."""
     x = x / params.temperature
     if params.min_p > 0:
         x = apply_min_p(x, params.min_p)
-    probs = torch.softmax(apply_top_k_top_p(x, params.top_k, params.top_p), dim=-1)
+    return torch.softmax(apply_top_k_top_p(x, params.top_k, params.top_p), dim=-1)
+
+
+def _draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
+          argmax: int) -> list[int]:
+    """One token per generator from x ([V] logits, penalised if need be):
+    sampling_probs, then multinomial. argmax: x's argmax, the limit when the
+    tempered logits overflow."""
+    probs = sampling_probs(x, params)
     if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
         return [argmax] * len(generators)
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
