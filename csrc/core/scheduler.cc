@@ -369,15 +369,8 @@ bool Scheduler::finish_sequence(const std::string& request_id, int32_t index, Fi
 }
 
 std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id, int32_t index) const {
-  auto it = requests_.find(request_id);
-  if (it != requests_.end()) {
-    for (const SeqPtr& seq : it->second) {
-      if (seq->index == index) {
-        return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end() - seq->num_draft_tokens};
-      }
-    }
-  }
-  throw UnknownRequestError("unknown request '" + request_id + "' or choice " + std::to_string(index));
+  const SeqPtr seq = find_sequence(request_id, index);
+  return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end() - seq->num_draft_tokens};
 }
 
 }  // namespace pagedserve

@@ -6,25 +6,13 @@
 #include "core/errors.h"
 #include "core/model_input.h"
 #include "core/scheduler.h"
+#include "scheduler_requests.h"
 
 using namespace pagedserve;
+using namespace pagedserve::test_support;
 
 namespace {
 
-constexpr int32_t kEos = 2;
-
-StopCriteria stop_after(int32_t max_tokens) {
-  StopCriteria s;
-  s.max_tokens = max_tokens;
-  s.eos_token_ids = {kEos};
-  return s;
-}
-
-std::vector<int32_t> prompt(int32_t n, int32_t base = 10) {
-  std::vector<int32_t> p(n);
-  for (int32_t i = 0; i < n; ++i) p[i] = base + i % 50;
-  return p;
-}
 
 // Runs steps until idle with a fake model that samples a token derived from
 // the sampled position (never EOS). Checks per-step invariants and returns the

@@ -114,28 +114,6 @@ void check_eps(float eps) {
   }
 }
 
-// Runs fn(r0, r1) over [0, rows): inline when the rows hold too few elements
-// for two tasks of kFusedMinElemsPerTask (kFusedMinElemsPerTaskAsleep while
-// the pool's workers sleep: waking them costs more), no thread hand-off; else
-// in chunks on the pool.
-template <typename F>
-void for_rows(int64_t rows, int64_t elems_per_row, int num_threads, const F& fn) {
-  if (rows <= 0) return;
-  const int64_t per_row = std::max<int64_t>(elems_per_row, 1);
-  const int64_t min_elems = ThreadPool::spin_micros() > 0 ? kFusedMinElemsPerTask : kFusedMinElemsPerTaskAsleep;
-  const int64_t rows_per_task = std::max<int64_t>(1, (min_elems + per_row - 1) / per_row);
-  int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
-  if (num_threads <= 1 || tasks < 2) {
-    fn(int64_t{0}, rows);
-    return;
-  }
-  tasks = std::min<int64_t>(tasks, 4 * static_cast<int64_t>(num_threads));  // dynamic scheduling evens them out
-  const int64_t chunk = (rows + tasks - 1) / tasks;
-  tasks = (rows + chunk - 1) / chunk;
-  ThreadPool::get(num_threads)->run(tasks,
-                                    [&](int64_t task, int) { fn(task * chunk, std::min(rows, (task + 1) * chunk)); });
-}
-
 // A query/key tensor of rotary_embedding: its head layout.
 struct HeadLayout {
   int64_t num_heads, row_stride, head_stride;

@@ -28,15 +28,39 @@
 // variant is cpu_isa.h's active_isa().
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "backends/common/tensor_arg.h"
+#include "thread_pool.h"
 
 namespace pagedserve {
 namespace cpu {
 
 constexpr int64_t kFusedMinElemsPerTask = 32768;  // elements a thread must get before the ops go parallel
 constexpr int64_t kFusedMinElemsPerTaskAsleep = 131072;  // the same while the pool's workers sleep
+
+// Runs fn(r0, r1) over [0, rows): inline when the rows hold too few elements
+// for two tasks of kFusedMinElemsPerTask (kFusedMinElemsPerTaskAsleep while
+// the pool's workers sleep: waking them costs more), no thread hand-off; else
+// in chunks on the pool.
+template <typename F>
+inline void for_rows(int64_t rows, int64_t elems_per_row, int num_threads, const F& fn) {
+  if (rows <= 0) return;
+  const int64_t per_row = std::max<int64_t>(elems_per_row, 1);
+  const int64_t min_elems = ThreadPool::spin_micros() > 0 ? kFusedMinElemsPerTask : kFusedMinElemsPerTaskAsleep;
+  const int64_t rows_per_task = std::max<int64_t>(1, (min_elems + per_row - 1) / per_row);
+  int64_t tasks = (rows + rows_per_task - 1) / rows_per_task;
+  if (num_threads <= 1 || tasks < 2) {
+    fn(int64_t{0}, rows);
+    return;
+  }
+  tasks = std::min<int64_t>(tasks, 4 * static_cast<int64_t>(num_threads));  // dynamic scheduling evens them out
+  const int64_t chunk = (rows + tasks - 1) / tasks;
+  tasks = (rows + chunk - 1) / chunk;
+  ThreadPool::get(num_threads)->run(tasks,
+                                    [&](int64_t task, int) { fn(task * chunk, std::min(rows, (task + 1) * chunk)); });
+}
 
 // RMSNorm (Zhang & Sennrich 2019) with Hugging Face LlamaRMSNorm's semantics:
 //   out = weight * to_dtype(x * rsqrt(mean(x^2, -1) + eps))

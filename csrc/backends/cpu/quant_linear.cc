@@ -19,6 +19,7 @@
 #include "cpu_features.h"
 #include "cpu_isa.h"
 #include "cpu_relax.h"
+#include "fused_ops.h"  // for_rows
 #include "gguf_types.h"
 #include "scalar_convert.h"
 #include "thread_pool.h"
@@ -102,19 +103,6 @@ struct F32Scratch {
     return reinterpret_cast<float*>((p + 63) & ~uintptr_t{63});
   }
 };
-
-// Runs fn(i0, i1) over [0, n) elements: on the calling thread below kParallelConvertElements, else in
-// chunks on num_threads threads of the pool (a dtype conversion around a kernel call).
-constexpr int64_t kParallelConvertElements = int64_t{1} << 16;
-template <typename Fn>
-void convert_elements(int64_t n, int num_threads, const Fn& fn) {
-  if (num_threads == 1 || n < kParallelConvertElements) {
-    fn(0, n);
-    return;
-  }
-  const int64_t chunk = kParallelConvertElements / 4, tasks = (n + chunk - 1) / chunk;
-  ThreadPool::get(num_threads)->run(tasks, [&](int64_t i, int) { fn(i * chunk, std::min(n, (i + 1) * chunk)); });
-}
 
 // num_threads within [1, kMaxLinearThreads], or KernelArgumentError.
 void check_num_threads(int num_threads) {
@@ -523,14 +511,14 @@ void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const
   of.resize(static_cast<size_t>(m * n_));
   const bf16* xb = x.ptr<bf16>();
   float* xw = xf.data();
-  convert_elements(m * k_, num_threads, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) xw[i] = bf16_to_float(xb[i]);
+  for_rows(m, k_, num_threads, [&](int64_t r0, int64_t r1) {  // the fused elementwise ops' split
+    for (int64_t i = r0 * k_; i < r1 * k_; ++i) xw[i] = bf16_to_float(xb[i]);
   });
   linear_f32_parts({this}, xw, m, of.data(), n_, b, num_threads, active_quant_isa().table());
   bf16* ob = out.ptr<bf16>();
   const float* ow = of.data();
-  convert_elements(m * n_, num_threads, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) ob[i] = float_to_bf16(ow[i]);
+  for_rows(m, n_, num_threads, [&](int64_t r0, int64_t r1) {
+    for (int64_t i = r0 * n_; i < r1 * n_; ++i) ob[i] = float_to_bf16(ow[i]);
   });
 }
 

@@ -385,10 +385,11 @@ class LLMEngine:
         if not drafts:
             return {}
         where = {slot: i for i, slot in enumerate(slots)}
-        live = [(d, r) for d, r in zip(drafts, self._draft_row_ranges(drafts)) if d.request_id in self.requests]
+        live = [i for i, d in enumerate(drafts) if d.request_id in self.requests]
         if len(live) < len(drafts):  # a request ended between schedule() and here: its rows are skipped
-            drafts = [d for d, _ in live]
-            logits = torch.cat([logits[a:b] for _, (a, b) in live]) if live else logits[:0]
+            starts = [0, *itertools.accumulate(len(d.rows) for d in drafts)]
+            logits = torch.cat([logits[starts[i]:starts[i + 1]] for i in live]) if live else logits[:0]
+            drafts = [drafts[i] for i in live]
             if not drafts:
                 return {}
         pos = [where[(d.request_id, d.index)] for d in drafts]
@@ -402,15 +403,6 @@ class LLMEngine:
         self.metrics.observe_spec_decode(len(drafts), sum(len(d.drafts) for d in drafts),
                                          sum(len(v.accepted) for v in verified))
         return kept
-
-    @staticmethod
-    def _draft_row_ranges(drafts) -> list[tuple[int, int]]:
-        """[start, end) of each sequence's rows in the step's draft logits."""
-        ranges, at = [], 0
-        for d in drafts:
-            ranges.append((at, at + len(d.rows)))
-            at += len(d.rows)
-        return ranges
 
     @staticmethod
     def _advance_grammar(choice, token_id: int) -> bool:
