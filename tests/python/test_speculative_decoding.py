@@ -1,13 +1,20 @@
-"""Speculative decoding (--speculative ngram, issue 28 part 2): prompt-lookup
-proposals, greedy acceptance, and outputs identical to decoding without it.
+"""Speculative decoding (--speculative ngram, issue 28 parts 2 and 3):
+prompt-lookup proposals, greedy acceptance, speculative sampling, and outputs
+identical to decoding without it, with structured outputs, stop strings,
+logprobs, n > 1 and preemption in the mix, in every dtype the default model is
+served in.
 The scheduler's side (drafts scheduled, rolled back, never cached) is
 tests/cpp/test_speculative_scheduling.cc."""
 from __future__ import annotations
+
+import logging
+import re
 
 import pytest
 import torch
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.engine.ngram_proposer import NgramProposer
 from pagedserve.engine.spec_decode import DraftRows, SpeculativeDecoder, eligible
 
@@ -60,12 +67,54 @@ def test_verification_keeps_the_matching_prefix_and_stops_at_a_stop_token():
     assert sched.accepted == [("a", 0, 2), ("b", 0, 2), ("c", 0, 1), ("d", 0, 3)]
 
 
-def test_requests_with_penalties_logprobs_or_forks_are_not_proposed_for():
+class _Grammar:
+    """A GrammarState stand-in: allows the tokens of `allowed` (any order) and
+    records what it accepts."""
+
+    def __init__(self, allowed):
+        self.allowed, self.accepted = set(allowed), []
+
+    def mask_logits(self, x):
+        out = torch.full_like(x, float("-inf"))
+        out[list(self.allowed)] = x[list(self.allowed)]
+        return out
+
+    def accept(self, token):
+        self.accepted.append(token)
+        self.allowed.discard(token)  # each token once: the state after a draft differs from the one before it
+        return True
+
+
+def test_a_constrained_choice_judges_each_draft_in_the_grammar_state_after_the_drafts_before_it():
+    sched = _Scheduler()
+    spec = SpeculativeDecoder(sched, NgramProposer(3), eos_token_ids=[2])
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    rows = torch.zeros(3, 16)
+    rows[:, 7] = 5.0  # the unconstrained argmax everywhere: 7, which neither grammar allows
+    rows[:, 4] = torch.tensor([4.0, 3.0, 3.0])
+    rows[:, 5] = torch.tensor([1.0, 4.0, 1.0])
+    last = torch.zeros(16)
+    last[9], last[6] = 3.0, 2.0
+    # a: drafts 4, 5 are the masked argmaxes in turn; once kept they leave the grammar, so the third row's masked
+    # argmax is 6, and the draft 4 (forbidden now) is rejected, 6 in its place
+    a = _Grammar({4, 5, 6})
+    # b: every draft kept; the token after them is redrawn from the last row in the state after them (6, not 9)
+    b = _Grammar({4, 5, 6})
+    out = spec.verify([DraftRows("a", 0, [4, 5, 4], [0, 1, 2]), DraftRows("b", 0, [4], [3])],
+                      torch.cat([rows, rows[:1]]), [9, 9], [greedy, greedy], None, [a, b], [last, last])
+    assert [(v.accepted, v.token_id, v.rows, v.token_row) for v in out] == [([4, 5], 6, [0, 1], 2), ([4], 6, [3], None)]
+    assert a.accepted == [4, 5] and b.accepted == [4]  # the engine advances by the sampled token itself
+    unconstrained = spec.verify([DraftRows("c", 0, [4], [0])], rows[:1], [9], [greedy])[0]
+    assert (unconstrained.accepted, unconstrained.token_id) == ([], 7)
+
+
+def test_only_requests_with_penalties_are_not_proposed_for():
     assert eligible(SamplingParams(temperature=0))
     assert eligible(SamplingParams(temperature=0.7, top_k=20, seed=1))
-    assert not eligible(SamplingParams(temperature=0, logprobs=1))
+    assert eligible(SamplingParams(temperature=0, logprobs=1, n=2))
+    assert eligible(SamplingParams(temperature=0, structured_outputs=StructuredOutputsParams(regex="[a-z]+")))
     assert not eligible(SamplingParams(temperature=0, repetition_penalty=1.2))
-    assert not eligible(SamplingParams(temperature=0, n=2))
+    assert not eligible(SamplingParams(temperature=0, frequency_penalty=0.5))
 
 
 def _repetitive_prompts(n: int) -> list[list[int]]:
@@ -84,19 +133,27 @@ def _tokens(outs):
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
-def test_greedy_tokens_equal_decoding_without_speculation_under_load_and_preemption():
+def test_greedy_tokens_equal_decoding_without_speculation_beside_a_request_it_does_not_propose_for(caplog):
     prompts = _repetitive_prompts(12)
     greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     base = LLM(enable_prefix_caching=False)
-    want = [_tokens(base.generate([p], greedy, use_tqdm=False))[0] for p in prompts]
-    # logprobs: not proposed for, so it must sample what it did without speculation
-    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, logprobs=1)
+    want = _tokens(base.generate(prompts, greedy, use_tqdm=False))  # batched: the same as alone (batch invariance)
+    # a penalty: not proposed for, so it must sample what it did without speculation
+    sampled = SamplingParams(temperature=0.8, seed=3, max_tokens=20, ignore_eos=True, frequency_penalty=0.5)
     want_sampled = _tokens(base.generate(prompts[:2], sampled, use_tqdm=False))
     del base
 
     spec = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=True)
-    assert _tokens(spec.generate(prompts, greedy, use_tqdm=False)) == want  # all at once
-    # a seeded sampling request with logprobs in the same batches takes no drafts and samples what it did alone
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+        assert _tokens(spec.generate(prompts, greedy, use_tqdm=False)) == want  # all at once
+    # each finished request logs its own acceptance; together they are the scheduler's counts
+    found = [re.search(r"speculative decoding: (\d+) of (\d+) draft tokens accepted", r.getMessage())
+             for r in caplog.records]
+    counts = [(int(m[1]), int(m[2])) for m in found if m]
+    assert len(counts) == len(prompts)
+    assert sum(a for a, _ in counts) == spec.engine.scheduler.num_accepted_tokens
+    assert sum(d for _, d in counts) == spec.engine.scheduler.num_draft_tokens
+    # a seeded sampling request with a penalty in the same batches takes no drafts and samples what it did alone
     mixed = spec.generate(prompts[:6] + prompts[:2], [greedy] * 6 + [sampled] * 2, use_tqdm=False)
     assert _tokens(mixed) == want[:6] + want_sampled
     s = spec.engine.scheduler
@@ -105,13 +162,6 @@ def test_greedy_tokens_equal_decoding_without_speculation_under_load_and_preempt
     assert metrics.spec_decode_num_accepted_tokens._value.get() == s.num_accepted_tokens
     assert metrics.spec_decode_num_draft_tokens._value.get() == s.num_draft_tokens
     assert s.kv_cache_manager.num_free_blocks == s.kv_cache_manager.num_blocks
-    del spec
-
-    # a pool of 24 blocks of 16 tokens for 12 sequences of up to 88 tokens: preemptions drop drafts
-    tiny = LLM(speculative="ngram", enable_prefix_caching=False, num_kv_blocks=24, max_num_batched_tokens=64)
-    assert _tokens(tiny.generate(prompts, greedy, use_tqdm=False)) == want
-    assert tiny.engine.scheduler.num_preemptions > 0 and tiny.engine.scheduler.num_accepted_tokens > 0
-    assert tiny.engine.scheduler.kv_cache_manager.num_free_blocks == 24
 
 
 def test_stop_strings_and_max_tokens_end_a_speculative_output_where_they_would_without_it():
@@ -126,6 +176,61 @@ def test_stop_strings_and_max_tokens_end_a_speculative_output_where_they_would_w
         b = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
         assert (b.text, list(b.token_ids), b.finish_reason) == (a.text, list(a.token_ids), a.finish_reason)
     assert spec.engine.scheduler.num_accepted_tokens > 0
+
+
+_WORDS = "one two three four five six seven eight nine ten".split()
+
+# the engine arguments of each dtype the default model is served in (test_batch_invariance.py's)
+_DTYPES = {"float32": {}, "bfloat16": {"dtype": "bfloat16", "linear_impl": "gguf"}, "q4": {"quantization": "q4"}}
+
+
+def _mixed_requests() -> tuple[list[str], list[SamplingParams]]:
+    """32 prompts that quote a passage and ask for it again (prompt lookup's
+    case), each with one of: a grammar (lower-case words and spaces only: a
+    draft holding "." or "," is rejected by it), stop strings, logprobs with
+    alternatives, n = 2, or nothing more; all greedy."""
+    g = torch.Generator().manual_seed(5)
+    prompts, params = [], []
+    for i in range(32):
+        order = torch.randperm(len(_WORDS), generator=g).tolist()
+        passage = ", ".join(" ".join(_WORDS[j] for j in order[k:k + 3]) for k in range(0, 9, 3)) + "."
+        prompts.append(f"Copy the text exactly.\nText: {passage} {passage}\nCopy: {passage[:12]}")
+        extra = [{"structured_outputs": StructuredOutputsParams(regex="( ?[a-z]+)+")},
+                 {"stop": [_WORDS[order[4]], "."]}, {"logprobs": 2}, {"n": 2}, {}][i % 5]
+        params.append(SamplingParams(temperature=0, max_tokens=24, **extra))
+    return prompts, params
+
+
+def _choices(outs):
+    return [(c.text, list(c.token_ids), c.finish_reason,
+             None if c.logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs])
+            for o in outs for c in o.outputs]
+
+
+@pytest.mark.parametrize("config", list(_DTYPES))
+def test_speculation_changes_no_token_text_or_logprob_in_any_dtype(config):
+    """Issue 28: greedy outputs with speculation equal those without it, for 32
+    mixed requests at once (grammars, stop strings, logprobs, n = 2) through a
+    pool small enough to preempt, with prompts cut into chunks (and in float32
+    also through a pool with room for all)."""
+    prompts, params = _mixed_requests()
+    base = LLM(enable_prefix_caching=False, **_DTYPES[config])
+    want = _choices(base.generate(prompts, params, use_tqdm=False))
+    del base
+    assert sum(1 for text, *_ in want if "seven" in text or "five" in text) > 8  # the passages are copied
+
+    if config == "float32":  # a pool with room for all (the other dtypes: the preempting pool only, CI's time)
+        spec = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=False)
+        assert _choices(spec.generate(prompts, params, use_tqdm=False)) == want
+        s = spec.engine.scheduler
+        assert 0 < s.num_accepted_tokens < s.num_draft_tokens
+        del spec
+    tiny = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=True, num_kv_blocks=40,
+               max_num_batched_tokens=64, **_DTYPES[config])
+    assert _choices(tiny.generate(prompts, params, use_tqdm=False)) == want
+    s = tiny.engine.scheduler
+    assert s.num_preemptions > 0 and 0 < s.num_accepted_tokens < s.num_draft_tokens
+    assert s.kv_cache_manager.num_free_blocks == 40
 
 
 def test_seeded_sampling_under_speculation_is_reproducible_and_exact_with_a_point_mass():

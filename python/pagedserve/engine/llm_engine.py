@@ -29,7 +29,7 @@ from ..model.kv_cache import KVCache
 from ..model.loader import gguf_source, load_config, load_model
 from ..model.prepare import describe_batch_invariance, prepare_model
 from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
-from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs
+from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs, raw_logprobs
 from ..sampling_params import SamplingParams
 from ..templates import load_chat_template
 from .outputs import Logprob, RequestOutput
@@ -341,6 +341,7 @@ class LLMEngine:
         logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
 
         rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
+        slot_rows = []  # each slot's row of logits
         for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
             req, first = self.requests[request_ids[b]], seq_indices[b]
             choices = [req.choices[first + j] for j in range(k)]
@@ -348,12 +349,13 @@ class LLMEngine:
             rows.append(SamplingRow(req.params, [c.generator for c in choices], req.prompt_token_ids,
                                     [c.output_token_ids for c in choices], grammars))
             slots += [(req.request_id, first + j) for j in range(k)]
+            slot_rows += [len(rows) - 1] * k
         sampled = self.sampler(logits, rows)
-        kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids)
         logprob_of = {}
         for slot, tok, lp, top in zip(slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
             if lp is not None:
                 logprob_of[slot] = Logprob(tok, lp, top or [])
+        kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids, logits, slot_rows, logprob_of)
 
         touched: dict[str, Request] = {}
         for upd in self.scheduler.update(sampled.token_ids):
@@ -361,7 +363,7 @@ class LLMEngine:
             choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
             grammar_ended = choice.grammar is not None and self._advance_grammar(choice, upd.token_id)
-            if any(choice.append_token(t) for t in kept.get((req.request_id, upd.index), ())):
+            if any(choice.append_token(t, lp) for t, lp in kept.get((req.request_id, upd.index), ())):
                 # a stop string ended the output inside the kept drafts: the tokens after it are not output
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop", stop_string=True)
@@ -376,12 +378,16 @@ class LLMEngine:
             touched[req.request_id] = req
         return self._make_outputs(touched.values(), len(sampled.token_ids) + sum(map(len, kept.values())))
 
-    def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]],
-                       sampled_tokens: list[int]) -> dict[tuple[str, int], list[int]]:
+    def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]], sampled_tokens: list[int],
+                       sampling_logits: torch.Tensor, slot_rows: list[int], logprob_of: dict
+                       ) -> dict[tuple[str, int], list[tuple[int, Logprob | None]]]:
         """Verifies the step's drafts (SpeculativeDecoder.verify) from their
         rows' logits [D, vocab] float32 and puts each sequence's token
         after its kept drafts in its place in sampled_tokens (the list update()
-        takes). Returns the kept drafts per (request_id, choice index)."""
+        takes) and, where the request asked for logprobs, that token's Logprob in
+        logprob_of (by slot). sampling_logits [S, vocab]: the step's sampling
+        rows; slot_rows[i]: the row slot i was sampled from. Returns the kept drafts per (request_id, choice index),
+        each with its Logprob (None where the request asked for none)."""
         if not drafts:
             return {}
         where = {slot: i for i, slot in enumerate(slots)}
@@ -394,12 +400,28 @@ class LLMEngine:
                 return {}
         pos = [where[(d.request_id, d.index)] for d in drafts]
         reqs = [self.requests[d.request_id] for d in drafts]
+        choices = [r.choices[d.index] for r, d in zip(reqs, drafts)]
+        slot_logits = {i: sampling_logits[slot_rows[i]] for i in pos}
         verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos], [r.params for r in reqs],
-                                            [r.choices[d.index].generator for r, d in zip(reqs, drafts)])
+                                            [c.generator for c in choices], [c.grammar for c in choices],
+                                            [slot_logits[i] for i in pos])
         kept = {}
-        for d, v, i in zip(drafts, verified, pos):
+        for d, v, i, r in zip(drafts, verified, pos, reqs):
+            slot = (d.request_id, d.index)
+            n_top = r.params.logprobs
+            if n_top is None:
+                kept[slot] = [(t, None) for t in v.accepted]
+            else:  # each token's Logprob from the row that decided it
+                source = logits[v.rows + [v.token_row]] if v.token_row is not None else torch.cat(
+                    [logits[v.rows], slot_logits[i][None]])
+                lps, tops = raw_logprobs(source, [[t] for t in (*v.accepted, v.token_id)], [n_top] * len(source))
+                entries = [Logprob(t, lp, top) for t, lp, top in zip((*v.accepted, v.token_id), lps, tops)]
+                kept[slot] = list(zip(v.accepted, entries))
+                if v.token_row is not None or v.token_id != sampled_tokens[i]:
+                    logprob_of[slot] = entries[-1]
             sampled_tokens[i] = v.token_id
-            kept[(d.request_id, d.index)] = v.accepted
+            r.num_draft_tokens += len(d.drafts)
+            r.num_accepted_tokens += len(v.accepted)
         self.metrics.observe_spec_decode(len(drafts), sum(len(d.drafts) for d in drafts),
                                          sum(len(v.accepted) for v in verified))
         return kept
@@ -474,10 +496,17 @@ class LLMEngine:
 
     def _observe_finished(self, req: Request) -> None:
         """Per choice, as vLLM counts the n child requests of a parallel-sampling
-        request: its finish reason, the prompt and its output length, the latency."""
+        request: its finish reason, the prompt and its output length, the latency;
+        with speculative decoding, a log line of the request's acceptance."""
         e2e = (req.finished_time or time.monotonic()) - req.arrival_time
         for c in req.choices:
             self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids), len(c.output_token_ids), e2e)
+        if self.spec_decoder is not None:  # in the words of the start-up line "speculative decoding: ..."
+            outputs = sum(len(c.output_token_ids) for c in req.choices)
+            logger.info("request %s: speculative decoding: %d of %d draft tokens accepted (%s), %d output tokens",
+                        req.request_id, req.num_accepted_tokens, req.num_draft_tokens,
+                        f"{100 * req.num_accepted_tokens / req.num_draft_tokens:.0f}%" if req.num_draft_tokens
+                        else "no drafts", outputs)
 
     def observe_scheduler(self) -> None:
         """Publishes the scheduler's gauges and counters to self.metrics."""

@@ -77,6 +77,8 @@ class Request:
 
     prompt_logprobs: [None] + one Logprob per prompt token after the first,
     filled chunk by chunk while the prompt is prefilled (None when not asked).
+    num_draft_tokens, num_accepted_tokens: speculative decoding's draft tokens
+    verified for the request's choices and how many of them were kept.
     """
 
     request_id: str
@@ -92,6 +94,8 @@ class Request:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for its choices
+    num_accepted_tokens: int = 0  # of them, the ones kept
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,

@@ -27,8 +27,17 @@ though not draw-for-draw equal to decoding without speculation). The rejected
 drafts' slots and blocks are given back and never reach the prefix cache
 (Scheduler.accept_draft_tokens).
 
-Requests with penalties, a grammar, logprobs or n > 1 are not proposed for;
-they decode one token per step in the same batch.
+A constrained choice (structured outputs) judges each draft on its logits
+masked by its grammar in the state after the drafts before it (a draft the
+grammar forbids has probability 0 and is rejected), advances the grammar by
+each kept draft, and draws the token after them all from the last row masked
+in that state, not from the step's ordinary draw (made before the drafts were
+known). Logprobs of the kept drafts and of the token after them come from the
+rows that decided them: the same bits as without speculation where the
+kernels are batch invariant. Each of n > 1 choices is a sequence of its own
+after its first token and takes its own drafts. Requests with penalties
+(which depend on every earlier output token) are not proposed for; they decode
+one token per step in the same batch.
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..model.sampler import sampling_probs
+from ..model.sampler import draw, sampling_probs
 from ..sampling_params import SamplingParams
 from .ngram_proposer import NgramProposer
 
@@ -68,17 +77,23 @@ class Verified:
         accepted: the drafts kept, in order (they are output tokens now).
         token_id: the token the step samples after them (the model's argmax
             there, or the stop token that ended the kept drafts).
+        rows: [len(accepted)] the rows (of verify's logits) that decided each kept draft.
+        token_row: the row of verify's logits that decided token_id (a
+            rejected or stopping draft's position), or None for the step's
+            sampling row (token_id then differs from that row's ordinary draw
+            only for a constrained choice, redrawn in its advanced grammar state).
     """
 
     accepted: list[int]
     token_id: int
+    rows: list[int]
+    token_row: int | None = None
 
 
 def eligible(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be proposed for: no penalties, no
-    grammar, no logprobs, one choice (see the module docstring)."""
-    return (not params.has_penalties and params.structured_outputs is None
-            and params.logprobs is None and params.n == 1)
+    """Whether a request's tokens may be proposed for: no penalties (see the
+    module docstring)."""
+    return not params.has_penalties
 
 
 class SpeculativeDecoder:
@@ -126,35 +141,50 @@ class SpeculativeDecoder:
         return found
 
     def verify(self, drafts: list[DraftRows], logits: torch.Tensor, last_tokens: list[int],
-               params: list[SamplingParams], generators: list[torch.Generator | None] | None = None
-               ) -> list[Verified]:
+               params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
+               grammars: list | None = None, last_logits: list[torch.Tensor] | None = None) -> list[Verified]:
         """For each sequence (logits [sum of len(rows), V] float32, row after
         row; last_tokens[i]: the step's sampled token after all of sequence
         i's drafts; generators[i]: its choice's generator, None for torch's
-        default): the drafts kept (greedy: the leading ones equal to their
-        rows' argmax; temperature > 0: speculative sampling, see the module
-        docstring), cut after a stop token, which then becomes the sampled
-        token; else the token after them. Tells the scheduler how many it
-        keeps (accept_draft_tokens)."""
+        default; grammars[i]: its choice's GrammarState or None; last_logits[i]:
+        [V] its sampling row's logits, read only for a constrained choice):
+        the drafts kept (greedy: the leading ones equal to their rows' argmax,
+        masked by the grammar if any; temperature > 0: speculative sampling,
+        see the module docstring), cut after a stop token, which then becomes
+        the sampled token; else the token after them. Advances each grammar by
+        the kept drafts. Tells the scheduler how many it keeps
+        (accept_draft_tokens)."""
         argmax = logits.numpy().argmax(axis=1).tolist() if logits.shape[0] else []
         generators = generators or [None] * len(drafts)
+        grammars = grammars or [None] * len(drafts)
         results, at = [], 0
-        for d, last, p, g in zip(drafts, last_tokens, params, generators):
+        for i, (d, last, p, g, grammar) in enumerate(zip(drafts, last_tokens, params, generators, grammars)):
             rows = range(at, at + len(d.drafts))
             at += len(d.drafts)
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
-            accepted, token = [], last
+            if grammar is not None:  # the grammar ends at EOS even where the request ignores it
+                stops |= self.eos_token_ids
+            v = Verified([], last, [])
             for draft, row in zip(d.drafts, rows):
-                keep, other = self._judge(draft, logits[row], argmax[row], p, g)
-                if not keep:
-                    token = other
+                x, best = logits[row], argmax[row]
+                if grammar is not None:
+                    x = grammar.mask_logits(x)
+                    best = int(torch.argmax(x))
+                keep, other = self._judge(draft, x, best, p, g)
+                if not keep or draft in stops:  # a stop token ends the sequence: it becomes the sampled one
+                    v.token_id, v.token_row = (draft if keep else other), row
                     break
-                if draft in stops:  # the sequence ends at this token: it becomes the sampled one
-                    token = draft
-                    break
-                accepted.append(draft)
-            self.scheduler.accept_draft_tokens(d.request_id, d.index, len(accepted))
-            results.append(Verified(accepted, token))
+                v.accepted.append(draft)
+                v.rows.append(row)
+                if grammar is not None:
+                    grammar.accept(draft)
+            else:
+                if grammar is not None:  # the step's draw used the state before the drafts: draw again
+                    x = grammar.mask_logits(last_logits[i])
+                    best = int(torch.argmax(x))
+                    v.token_id = best if p.greedy else draw(x, p, [g], best)[0]
+            self.scheduler.accept_draft_tokens(d.request_id, d.index, len(v.accepted))
+            results.append(v)
         return results
 
     @staticmethod

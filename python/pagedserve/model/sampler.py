@@ -124,11 +124,11 @@ def sampling_probs(x: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(apply_top_k_top_p(x, params.top_k, params.top_p), dim=-1)
 
 
-def _draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
-          argmax: int) -> list[int]:
-    """One token per generator from x ([V] logits, penalised if need be):
-    sampling_probs, then multinomial. argmax: x's argmax, the limit when the
-    tempered logits overflow."""
+def draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generator | None],
+         argmax: int) -> list[int]:
+    """One token per generator from x ([V] logits, penalised or masked by a
+    grammar if need be): sampling_probs, then multinomial. argmax: x's argmax,
+    the limit when the tempered logits overflow."""
     probs = sampling_probs(x, params)
     if not torch.isfinite(probs).all():  # overflowing logits: the argmax is the limit
         return [argmax] * len(generators)
@@ -167,7 +167,7 @@ class Sampler:
             if len(row.output_token_ids) != len(gens):
                 raise ValueError(f"row {i}: {len(gens)} generators but {len(row.output_token_ids)} output_token_ids")
             if not p.has_penalties and row.grammars is None:
-                drawn = [argmax[i]] * len(gens) if p.greedy else _draw(logits[i], p, gens, argmax[i])
+                drawn = [argmax[i]] * len(gens) if p.greedy else draw(logits[i], p, gens, argmax[i])
             else:
                 prompt_mask = None
                 if p.repetition_penalty != 1.0:
@@ -180,37 +180,40 @@ class Sampler:
                     if p.has_penalties:
                         x = apply_penalties(x, prompt_mask, out, p)
                     best = int(torch.argmax(x))
-                    drawn += [best] if p.greedy else _draw(x, p, [g], best)
+                    drawn += [best] if p.greedy else draw(x, p, [g], best)
             tokens += drawn
             row_tokens.append(drawn)
-        logprobs, top = self._logprobs(logits, rows, row_tokens)
+        logprobs, top = raw_logprobs(logits, row_tokens, [r.params.logprobs for r in rows])
         return SamplerOutput(tokens, logprobs, top)
 
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, rows: list[SamplingRow],
-                  row_tokens: list[list[int]]) -> tuple[list[float | None], list[TopLogprobs | None]]:
-        """Raw logprobs of the sampled tokens and the top alternatives, flat like
-        the tokens; log_softmax only over the rows that asked."""
-        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        if not asked:
-            n = sum(len(toks) for toks in row_tokens)
-            return [None] * n, [None] * n
-        logprobs: list[float | None] = []
-        top: list[TopLogprobs | None] = []
-        lp = torch.log_softmax(logits[asked].float(), dim=-1)
-        k = min(max(rows[i].params.logprobs for i in asked), lp.shape[1])
-        top_vals, top_ids = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([], [])
-        where = {i: j for j, i in enumerate(asked)}
-        for i, (row, toks) in enumerate(zip(rows, row_tokens)):
-            if i not in where:
-                logprobs += [None] * len(toks)
-                top += [None] * len(toks)
-                continue
-            j, n = where[i], row.params.logprobs
-            logprobs += lp[j, toks].tolist()
-            alternatives = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
-            top += [list(alternatives) for _ in toks]
-        return logprobs, top
+
+def raw_logprobs(logits: torch.Tensor, row_tokens: list[list[int]], num_top: list[int | None]
+                 ) -> tuple[list[float | None], list[TopLogprobs | None]]:
+    """Raw logprobs (log_softmax of logits [R, V] float32, before penalties and
+    temperature: vLLM V1's default) of the tokens row_tokens[i] at row i, and the
+    num_top[i] most likely (token_id, logprob) alternatives there, descending;
+    flat like the tokens. Rows whose num_top is None get None (log_softmax runs
+    over the rows that ask only). A row's values depend on that row alone."""
+    asked = [i for i, n in enumerate(num_top) if n is not None]
+    if not asked:
+        n = sum(len(toks) for toks in row_tokens)
+        return [None] * n, [None] * n
+    logprobs: list[float | None] = []
+    top: list[TopLogprobs | None] = []
+    lp = torch.log_softmax(logits[asked].float(), dim=-1)
+    k = min(max(num_top[i] for i in asked), lp.shape[1])
+    top_vals, top_ids = (t.tolist() for t in torch.topk(lp, k, dim=-1)) if k else ([], [])
+    where = {i: j for j, i in enumerate(asked)}
+    for i, (n, toks) in enumerate(zip(num_top, row_tokens)):
+        if i not in where:
+            logprobs += [None] * len(toks)
+            top += [None] * len(toks)
+            continue
+        j = where[i]
+        logprobs += lp[j, toks].tolist()
+        alternatives = list(zip(top_ids[j][:n], top_vals[j][:n])) if n else []
+        top += [list(alternatives) for _ in toks]
+    return logprobs, top
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
