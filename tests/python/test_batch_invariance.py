@@ -75,7 +75,8 @@ def test_each_request_gets_the_same_logit_bits_under_any_load(config):
 def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatch):
     """A start-up measurement that gives the dense path the large calls (the blocks up to 128 rows here)
     would make a row's GEMM depend on its step's size: with batch invariance (the default) the blocks
-    serve every call; --no-batch-invariant keeps the measured bound."""
+    serve every call; --no-batch-invariant keeps the measured bound. Where the dense path measures much
+    faster at every size, batch invariance still keeps the blocks (and says what it costs)."""
     from pagedserve.model import gguf_linear
 
     def bounded(self, *args, **kwargs):
@@ -88,6 +89,20 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
     del on
     off = LLM(enable_prefix_caching=False, batch_invariant=False)
     assert "calls of up to 128 rows" in off.engine.linear_path
+    del off
+
+    def never(self, *args, **kwargs):  # the dense path much faster at every size (our scalar kernels' case)
+        self.set_max_rows(0)
+        return gguf_linear.GGUFTuning({"gguf": {1: 9.0, 128: 99.0}, "dense": {1: 1.0, 128: 5.0}}, "injected")
+
+    monkeypatch.setattr(gguf_linear.GGUFFloatMethod, "tune", never)
+    on = LLM(enable_prefix_caching=False)
+    assert on.engine.linear_path.startswith("gguf") and "calls of every size" in on.engine.linear_path
+    assert "batch invariance keeps every call on the blocks though the dense path" in on.engine.linear_path
+    assert on.engine.batch_invariance == "on"
+    del on
+    off = LLM(enable_prefix_caching=False, batch_invariant=False)
+    assert not off.engine.linear_path.startswith("gguf")
 
 
 def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_dir):
@@ -99,3 +114,52 @@ def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_
     del dense
     off = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, batch_invariant=False)
     assert off.engine.batch_invariance.startswith("off")
+
+
+_VARIANT = """
+import json, sys
+import torch
+from pagedserve import LLM, SamplingParams, _core
+prompts = json.loads(sys.argv[1])
+params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
+
+def run(llm, batched):
+    outs = llm.generate(prompts, params, use_tqdm=False) if batched else [
+        llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+    return [[(t, lp.logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+llm = LLM(enable_prefix_caching=False, linear_impl="gguf")  # gguf: what batch invariance picks, untimed
+res = {"isa": _core.cpu.kernel_isa(), "invariance": llm.engine.batch_invariance,
+       "alone": run(llm, False), "batched": run(llm, True)}
+del llm
+res["chunked"] = run(LLM(enable_prefix_caching=False, linear_impl="gguf", max_num_batched_tokens=16), True)
+print("RESULT " + json.dumps(res))
+"""
+
+
+def _lower_variants() -> list[str]:
+    from pagedserve import _core
+    active = _core.cpu.kernel_isa()
+    return [name for name, ok, _ in _core.cpu.compiled_isas() if ok and name != active]
+
+
+@pytest.mark.parametrize("isa", _lower_variants() or ["none"])
+def test_every_kernel_variant_this_cpu_runs_gives_the_same_bits_under_any_load(isa):
+    """The default engine (float32 on the GGUF's blocks, where batch invariance keeps every call even on the
+    scalar variant) on each lower kernel variant this CPU executes (PAGEDSERVE_CPU_ISA, a fresh process: avx2
+    and baseline on an AVX-512 machine): alone, batched and in 16-token chunks give each request the same
+    tokens and logprob bits. (The emulated CPUs of the qemu-user
+    runs check the kernels' row invariance in tests/cpp: test_quant_linear, test_attention_cpu.)"""
+    if isa == "none":
+        pytest.skip("this CPU executes only one compiled kernel variant: the tests above cover it")
+    import json
+    import os
+    import subprocess
+    import sys
+    prompts = _prompts()[:5]
+    r = subprocess.run([sys.executable, "-c", _VARIANT, json.dumps(prompts)], capture_output=True, text=True,
+                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_CPU_ISA": isa})
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert res["isa"] == isa and res["invariance"] == "on"
+    assert res["batched"] == res["alone"] and res["chunked"] == res["alone"]

@@ -166,12 +166,16 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     ours = quantization != "none" or builder is not None
     _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
     if builder is not None:
+        invariance_cost = False  # batch invariance keeps the blocks though the dense path measured much faster
         if linear_impl == "gguf" or not builder.layers:  # by name: the blocks serve every call; or none to time
             gguf_ms = None
         else:
             gguf_ms = builder.tune()
-            if batch_invariant and 0 < builder.max_rows < UNBOUNDED_ROWS:
-                builder.set_max_rows(UNBOUNDED_ROWS)  # one GEMM for every call size: batch invariance
+            if batch_invariant and builder.max_rows < UNBOUNDED_ROWS:
+                # one GEMM for every call size, ours (a library GEMM's bits depend on the call's rows): batch
+                # invariance, even where the dense path measured faster (the log gives both times)
+                invariance_cost = builder.max_rows == 0
+                builder.set_max_rows(UNBOUNDED_ROWS)
         if builder.max_rows > 0 and builder.native:
             if builder.serves_all and builder.declined == 0:
                 released = _serve_from_blocks(model, lean, builder)
@@ -198,6 +202,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             f"; {gguf_ms.source}: ms per pass at " + "/".join(map(str, gguf_ms.ms["gguf"])) + " rows: " +
             ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values()) for k, t in gguf_ms.ms.items()))
         larger = (f"no dense copy kept ({released})" if released else f"larger calls: {describe(choice)}")
+        if invariance_cost:
+            larger += ("; batch invariance keeps every call on the blocks though the dense path measured much "
+                       "faster here (--no-batch-invariant takes it)")
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
                 f"{_rows_served(builder)} ({builder.declined} layers dense{measured}); {larger}")
     else:
