@@ -82,7 +82,20 @@ test-metal-host: $(STAMP)
 	cmake --build build/metal-host -j2 --target metal_stub_core
 	cd build/metal-host && ctest -R metal_python_on_recording_device --output-on-failure
 
-test: test-cpp test-sanitize test-python test-metal-host
+# `make test` runs its parts one after another and prints each one's wall time
+# ("== phase NAME: S s"), so a slow CI names its slow part; a part that fails
+# stops it with that part's status. The install comes first, on its own line.
+define phase
+@t0=$$(date +%s); $(MAKE) --no-print-directory $(1); rc=$$?; \
+  echo "== phase $(1): $$(( $$(date +%s) - t0 )) s"; exit $$rc
+endef
+
+test:
+	$(call phase,install)
+	$(call phase,test-cpp)
+	$(call phase,test-sanitize)
+	$(call phase,test-python)
+	$(call phase,test-metal-host)
 
 bench: $(STAMP)
 	$(PY) bench/throughput.py
