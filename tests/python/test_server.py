@@ -22,6 +22,40 @@ def test_models_lists_the_served_model(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_models_created_is_the_same_in_every_listing(server):
+    first = httpx.get(server + "/v1/models").json()["data"][0]["created"]
+    time.sleep(1.1)  # `created` in seconds: a per-response timestamp would move
+    assert httpx.get(server + "/v1/models").json()["data"][0]["created"] == first <= time.time()
+
+
+def test_x_request_id_is_echoed_or_generated_and_names_the_completion(server):
+    """vLLM's convention: a client's X-Request-Id comes back in the header and in the response id; without one
+    the server makes one up (the same in both). Two requests with one id at once are both served."""
+    body = {"model": MODEL, "prompt": "One, two,", "max_tokens": 4, "temperature": 0}
+    mine = httpx.post(server + "/v1/completions", json=body, headers={"X-Request-Id": "trace-42"}, timeout=60)
+    assert mine.status_code == 200 and mine.headers["x-request-id"] == "trace-42"
+    assert mine.json()["id"] == "cmpl-trace-42"
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3}
+    made = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60)
+    rid = made.headers["x-request-id"]
+    assert len(rid) == 32 and made.json()["id"] == f"chatcmpl-{rid}"
+    assert httpx.get(server + "/v1/models").headers["x-request-id"] != rid  # one per request, errors included
+    bad = httpx.post(server + "/v1/completions", json={**body, "max_tokens": -1}, headers={"X-Request-Id": "t-9"})
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "t-9"
+    unusable = httpx.post(server + "/v1/completions", json=body, headers={"X-Request-Id": "x" * 129}, timeout=60)
+    assert unusable.headers["x-request-id"] != "x" * 129 and len(unusable.headers["x-request-id"]) == 32
+    streamed = {**body, "stream": True, "max_tokens": 30}
+
+    def send(i):
+        r = httpx.post(server + "/v1/completions", json=streamed if i else body, headers={"X-Request-Id": "same"},
+                       timeout=60)
+        return r.status_code, r.headers["x-request-id"]
+
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(send, range(2))) == [(200, "same")] * 2
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

@@ -9,6 +9,7 @@ away (streaming or not) has its requests aborted, which frees their KV blocks.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -21,7 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine
 from .errors import APIError, install_error_handlers
-from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from .protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -95,6 +96,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     install_error_handlers(app)
     app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)  # last added = outermost: every response carries X-Request-Id
     core = engine.engine
     completion, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
@@ -118,9 +120,11 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
         body, content_type = core.metrics.render()
         return Response(body, media_type=content_type)
 
+    created = int(time.time())  # the model's `created`: when this server loaded it, the same in every listing
+
     @app.get("/v1/models", response_model=ModelList, responses={401: _ERRORS[401]})
     async def models():
-        return ModelList(data=[ModelCard(id=core.model_name, max_model_len=core.max_model_len)])
+        return ModelList(data=[ModelCard(id=core.model_name, created=created, max_model_len=core.max_model_len)])
 
     @app.post("/v1/completions", response_model=None, responses=_answers(CompletionResponse, CompletionResponse))
     async def completions(req: CompletionRequest, raw: Request):

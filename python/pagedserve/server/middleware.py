@@ -5,6 +5,7 @@ errors.error_response, like the app's own error handlers."""
 from __future__ import annotations
 
 import secrets
+import uuid
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -108,3 +109,43 @@ class BodySizeLimitMiddleware:
                 raise
         if over and not started:
             await self._too_large()(scope, receive, send)
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+MAX_REQUEST_ID_CHARS = 128
+
+
+def _usable_request_id(value: bytes | None) -> str | None:
+    """A client's X-Request-Id when it is 1..MAX_REQUEST_ID_CHARS visible ASCII characters, else None."""
+    if value is None or not 0 < len(value) <= MAX_REQUEST_ID_CHARS or not all(33 <= b < 127 for b in value):
+        return None
+    return value.decode("ascii")
+
+
+class RequestIdMiddleware:
+    """X-Request-Id, as vLLM and most proxies use it: every HTTP response carries
+    the request's id in that header: the client's own when it sent a usable one
+    (1..128 visible ASCII characters), else a fresh uuid4 hex. Handlers read it
+    as request.state.request_id (the completion ids are built from it) and
+    request.state.request_id_given (whether the client chose it). Add it last:
+    the outermost middleware, so errors from the others carry it too."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = _usable_request_id(_header(scope, REQUEST_ID_HEADER))
+        request_id = given or uuid.uuid4().hex
+        state = scope.setdefault("state", {})
+        state["request_id"], state["request_id_given"] = request_id, given is not None
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, request_id.encode("ascii"))]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)

@@ -10,6 +10,7 @@ aborted, which frees their KV blocks.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import Request
@@ -62,6 +63,19 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
 
+
+
+def response_id(raw: Request, prefix: str) -> str:
+    """A completion response's id: prefix-<the request's X-Request-Id> (the
+    client's, or the one RequestIdMiddleware generated), or prefix-<uuid4 hex>
+    where the app runs without that middleware."""
+    return f"{prefix}-{getattr(raw.state, 'request_id', None) or uuid.uuid4().hex}"
+
+
+def _engine_id(raw: Request, request_id: str) -> str:
+    """The engine's id for a response id: unique even when two clients send
+    the same X-Request-Id (a suffix then), else the response id itself."""
+    return f"{request_id}-{uuid.uuid4().hex[:8]}" if getattr(raw.state, "request_id_given", False) else request_id
 
 class OpenAIServing:
     """Shared plumbing of the OpenAI endpoints.
@@ -200,7 +214,7 @@ class OpenAIServing:
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, request_id, cache_salt, priority)
+        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority)
 
         async def consume() -> list[RequestOutput]:
             final = await self._first_outputs(gens)
@@ -227,7 +241,7 @@ class OpenAIServing:
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, request_id, cache_salt, priority)
+        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority)
         try:
             firsts = await self._until_disconnect(raw, self._first_outputs(gens), ids)
         except BaseException:

@@ -26,9 +26,8 @@ from .protocol import (
     ChatMessage,
     ChatResponseMessage,
     ChatTemplateFields,
-    random_id,
 )
-from .serving import SSE_DONE, OpenAIServing, sse, usage_of
+from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
 from .tool_calls import TEMPLATE_HINT, ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
 
@@ -162,7 +161,7 @@ class OpenAIServingChat(OpenAIServing):
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs,
                                       structured_outputs=constraint[0] if constraint else None)
-        request_id = random_id("chatcmpl")
+        request_id = response_id(raw, "chatcmpl")
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
 

@@ -12,8 +12,8 @@ from starlette.concurrency import run_in_threadpool
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .errors import APIError
 from .logprobs import completion_logprobs
-from .protocol import CompletionChoice, CompletionRequest, CompletionResponse, random_id
-from .serving import SSE_DONE, OpenAIServing, sse, usage_of
+from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
+from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
 
 
@@ -44,7 +44,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
                                        prompt_logprobs=prompt_logprobs,
                                        structured_outputs=constraint[0] if constraint else None) for p in prompts]
-        request_id = random_id("cmpl")
+        request_id = response_id(raw, "cmpl")
         if not req.stream:
             outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority)
 
