@@ -56,6 +56,27 @@ def test_x_request_id_is_echoed_or_generated_and_names_the_completion(server):
         assert list(pool.map(send, range(2))) == [(200, "same")] * 2
 
 
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, endpoint):
+    if endpoint == "chat":
+        create = lambda **kw: client.chat.completions.create(  # noqa: E731
+            model=MODEL, messages=[{"role": "user", "content": "Count to ten."}], **kw)
+    else:
+        create = lambda **kw: client.completions.create(model=MODEL, prompt="One, two, three,", **kw)  # noqa: E731
+    kw = dict(temperature=0, max_tokens=12, stream=True)
+    full = create(temperature=0, max_tokens=12).usage
+    chunks = list(create(**kw, stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    usages = [c.usage for c in chunks]
+    assert all(u is not None and u.prompt_tokens == full.prompt_tokens for u in usages)
+    counts = [u.completion_tokens for u in usages]
+    assert counts == sorted(counts) and counts[0] < counts[-1] == full.completion_tokens
+    assert all(u.total_tokens == u.prompt_tokens + u.completion_tokens for u in usages)
+    plain = list(create(**kw, stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain[:-1]) and plain[-1].usage.completion_tokens == full.completion_tokens
+    # without include_usage there is no usage at all (vLLM: continuous stats ride on include_usage)
+    assert all(c.usage is None for c in create(**kw, stream_options={"continuous_usage_stats": True}))
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

@@ -46,6 +46,7 @@ class RequestBody(BaseModel):
 
 class StreamOptions(RequestBody):
     include_usage: bool = False  # one extra chunk with choices [] and the usage before [DONE]
+    continuous_usage_stats: bool = False  # with include_usage: every chunk carries the usage so far (vLLM's)
 
 
 class _Request(RequestBody):
@@ -131,6 +132,12 @@ class _Request(RequestBody):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Every streamed chunk carries the usage so far (stream_options.continuous_usage_stats, which vLLM
+        honours together with include_usage)."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Request):

@@ -176,23 +176,25 @@ class OpenAIServingChat(OpenAIServing):
                                               choices=[choice(c) for c in out.outputs])
 
             return await run_in_threadpool(response) if req.logprobs else response()
-        _, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-        return StreamingResponse(self._stream(req, plan, request_id, outputs), media_type="text/event-stream")
+        firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
+        return StreamingResponse(self._stream(req, plan, request_id, firsts[0], outputs),
+                                 media_type="text/event-stream")
 
-    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str,
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, first: RequestOutput,
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
+        last = first  # the latest output: what continuous usage counts
 
         def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
-                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]), exclude)
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
+                usage=usage_of([last]) if req.continuous_usage else None), exclude)
 
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             done: set[int] = set()
             streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
-            last: RequestOutput | None = None  # the outputs always hold at least the first one
             async for _, out in outputs:
                 last = out
                 for c in out.outputs:

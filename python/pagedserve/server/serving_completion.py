@@ -82,7 +82,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
         def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
             return sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)]), exclude)
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)],
+                usage=usage_of(last) if req.continuous_usage else None), exclude)
 
         try:
             if req.echo:
