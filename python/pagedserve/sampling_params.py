@@ -76,7 +76,10 @@ class SamplingParams:
         seed: torch.Generator seed; same seed -> same samples whatever else is
             in the batch. Choice i samples with choice_seed(i).
         max_tokens: output tokens at most (>= 1).
-        stop: strings that end the output; they are not included in the text.
+        stop: strings that end the output; they are not included in the text
+            unless include_stop_str_in_output.
+        include_stop_str_in_output: keep the stop string that ended the output at
+            the end of its text (vLLM's).
         stop_token_ids: token ids that end the output (kept in token_ids).
         ignore_eos: keep generating past EOS (benchmarks).
         skip_special_tokens: drop special tokens from the text.
@@ -116,6 +119,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     presence_penalty: float = 0.0

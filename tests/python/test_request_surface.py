@@ -25,7 +25,7 @@ COMPLETION = {"model": MODEL, "prompt": "The colours of the rainbow are", "tempe
 HONOURED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "n", "seed", "stop", "stop_token_ids", "cache_salt", "ignore_eos", "skip_special_tokens",
-    "stream", "stream_options", "add_special_tokens", "priority",
+    "stream", "stream_options", "add_special_tokens", "priority", "include_stop_str_in_output",
     # completions
     "prompt", "echo", "logprobs", "best_of",
     # chat
@@ -40,7 +40,7 @@ HARMLESS = {"user", "store", "metadata", "service_tier", "prediction", "function
 # a value that turns each refused field on
 TURNED_ON = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-    "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"42": 5}, "min_tokens": 3, "include_stop_str_in_output": True,
+    "functions": [{"name": "f", "parameters": {}}], "logit_bias": {"42": 5}, "min_tokens": 3,
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
     "use_beam_search": True, "length_penalty": 0.5, "allowed_token_ids": [1, 2], "bad_words": ["red"],
     "logits_processors": ["x"], "prompt_logprobs": 1, "truncate_prompt_tokens": 4,

@@ -77,6 +77,41 @@ def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client, endp
     assert all(c.usage is None for c in create(**kw, stream_options={"continuous_usage_stats": True}))
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_reason_names_the_stop_string_or_token_and_the_string_may_stay(server, stream):
+    """vLLM's stop_reason and include_stop_str_in_output, on both endpoints."""
+
+    def final(path, body):
+        r = httpx.post(server + path, json={**body, "stream": stream}, timeout=60)
+        assert r.status_code == 200, r.text
+        if not stream:
+            return r.json()["choices"][0], ("text" if "prompt" in body else "message")
+        events = [json.loads(b[6:]) for b in r.content.split(b"\n\n") if b.startswith(b"data: {")]
+        text_key = "text" if "prompt" in body else "delta"
+        joined = "".join((e["choices"][0].get("text") if text_key == "text" else
+                          e["choices"][0]["delta"].get("content")) or "" for e in events if e["choices"])
+        last = [e["choices"][0] for e in events if e["choices"] and e["choices"][0]["finish_reason"]][-1]
+        return {**last, "text": joined}, "text"
+
+    def text(choice, key):
+        return choice["message"]["content"] if key == "message" else choice["text"]
+
+    base = {"model": MODEL, "prompt": "One, two, three, four, five, six,", "temperature": 0, "max_tokens": 12}
+    free, key = final("/v1/completions", base)
+    assert " seven" in text(free, key) and free["stop_reason"] is None
+    cut, key = final("/v1/completions", {**base, "stop": ["nine", "seven"]})
+    assert cut["finish_reason"] == "stop" and cut["stop_reason"] == "seven" and "seven" not in text(cut, key)
+    kept, key = final("/v1/completions", {**base, "stop": ["seven"], "include_stop_str_in_output": True})
+    assert text(kept, key) == text(cut, key) + "seven" and kept["stop_reason"] == "seven"
+    token = httpx.post(server + "/tokenize", json={"prompt": " seven", "add_special_tokens": False}).json()["tokens"]
+    by_id, key = final("/v1/completions", {**base, "stop_token_ids": token[:1]})
+    assert by_id["finish_reason"] == "stop" and by_id["stop_reason"] == token[0]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Repeat exactly: alpha beta gamma delta"}],
+            "temperature": 0, "max_tokens": 40, "stop": ["gamma"], "include_stop_str_in_output": True}
+    said, key = final("/v1/chat/completions", chat)
+    assert said["stop_reason"] == "gamma" and text(said, key).endswith("beta gamma")
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

@@ -63,6 +63,14 @@ def test_stop_string_split_over_pieces_and_earliest_wins():
     assert found and m.text == "hel"
 
 
+def test_the_stop_string_that_matched_is_named_and_may_stay_in_the_text():
+    m = StopStringMatcher(["world", "lo w"], include_stop_str=True)
+    assert not m.append("hel") and m.matched is None
+    assert m.append("lo world") and m.matched == "lo w" and m.text == "hello w"  # the earliest, kept
+    tie = StopStringMatcher(["ab", "abc"], include_stop_str=True)
+    assert tie.append("xabcd") and tie.matched == "ab" and tie.text == "xab"  # same start: the first listed
+
+
 def test_no_stop_strings_release_everything():
     m = StopStringMatcher([])
     assert not m.append("anything")

@@ -34,6 +34,8 @@ class CompletionOutput:
         delta_text: text released by this step.
         delta_token_ids: token ids added by this step.
         finish_reason: None while running, else "stop", "length" or "abort".
+        stop_reason: what ended a "stop" choice: the stop string or the
+            stop_token_ids entry; None for EOS and otherwise (vLLM's).
         logprobs: one Logprob per output token so far (None unless
             SamplingParams.logprobs is set).
         delta_logprobs: the Logprobs of delta_token_ids (None likewise).
@@ -47,6 +49,7 @@ class CompletionOutput:
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None
     delta_logprobs: list[Logprob] | None = None
+    stop_reason: int | str | None = None
 
 
 @dataclass

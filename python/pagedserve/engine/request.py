@@ -33,6 +33,7 @@ class Choice:
     finish_reason: str | None = None
     logprobs: list[Logprob] | None = None  # one per output token when requested
     grammar: GrammarState | None = None  # where the output stands in its constraint (structured outputs)
+    stop_token_ids: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason)
 
     def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:
         """Adds a sampled token (and its Logprob, if the request wants logprobs) and
@@ -55,6 +56,19 @@ class Choice:
                 reason = "stop"
         self.finish_reason = reason
 
+    @property
+    def stop_reason(self) -> int | str | None:
+        """What ended a "stop" choice, as vLLM reports it: the stop string, or
+        the stop_token_ids entry it sampled last; None for EOS, a grammar's end,
+        another finish reason or a running choice."""
+        if self.finish_reason != "stop":
+            return None
+        if self.stop.matched is not None:
+            return self.stop.matched
+        if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
+            return self.output_token_ids[-1]
+        return None
+
     def make_output(self) -> CompletionOutput:
         """The choice so far, with what is new since the last call: the text that can
         no longer turn into a stop string (all of it once finished) and new tokens."""
@@ -67,6 +81,7 @@ class Choice:
         self.emitted_tokens = len(self.output_token_ids)
         return CompletionOutput(index=self.index, text=self.stop.text[:end], token_ids=list(self.output_token_ids),
                                 delta_text=delta, delta_token_ids=new_ids, finish_reason=self.finish_reason,
+                                stop_reason=self.stop_reason,
                                 logprobs=list(self.logprobs) if self.logprobs is not None else None,
                                 delta_logprobs=new_logprobs)
 
@@ -109,9 +124,10 @@ class Request:
                      if tokenizer is not None else None)
             seed = params.choice_seed(i)
             gen = torch.Generator().manual_seed(seed) if seed is not None else None
-            choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop),
+            choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop, params.include_stop_str_in_output),
                                   logprobs=[] if params.logprobs is not None else None,
-                                  grammar=grammars[i] if grammars else None))
+                                  grammar=grammars[i] if grammars else None,
+                                  stop_token_ids=frozenset(params.stop_token_ids)))
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         return cls(request_id, prompt, prompt_token_ids, params, choices, prompt_logprobs=prompt_logprobs)
 

@@ -10,22 +10,33 @@ class StopStringMatcher:
 
     Args:
         stop: the stop strings (non-empty).
+        include_stop_str: keep the stop string that ends the text (vLLM's
+            include_stop_str_in_output), else cut the text before it.
+
+    Attributes:
+        matched: the stop string that ended the text (the earliest in the
+            text; of two starting there, the first in `stop`), or None.
     """
 
-    def __init__(self, stop: list[str]):
+    def __init__(self, stop: list[str], include_stop_str: bool = False):
         self.stop = list(stop)
+        self.include_stop_str = include_stop_str
         self.max_len = max((len(s) for s in self.stop), default=0)
         self.text = ""
+        self.matched: str | None = None
 
     def append(self, delta: str) -> bool:
-        """Adds text; returns True (and truncates self.text before it) if a stop string appeared."""
+        """Adds text; returns True (and truncates self.text before the stop
+        string, or after it with include_stop_str) if a stop string appeared."""
         start = max(0, len(self.text) - self.max_len + 1)
         self.text += delta
         if not self.stop:
             return False
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = [(i, k) for k, i in enumerate(self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:
-            self.text = self.text[: min(hits)]
+            i, k = min(hits)
+            self.matched = self.stop[k]
+            self.text = self.text[: i + (len(self.matched) if self.include_stop_str else 0)]
             return True
         return False
 

@@ -100,7 +100,7 @@ class _Request(RequestBody):
     # accepted only with the value that means "off", else a 400 names them
     # (UNIMPLEMENTED)
     min_tokens: int = 0
-    include_stop_str_in_output: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
@@ -115,7 +115,7 @@ class _Request(RequestBody):
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "functions", "logit_bias", "min_tokens", "include_stop_str_in_output", "guided_decoding_backend",
+        "functions", "logit_bias", "min_tokens", "guided_decoding_backend",
         "guided_whitespace_pattern", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
         "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
@@ -269,6 +269,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class CompletionResponse(BaseModel):
@@ -307,6 +308,7 @@ class ChatChoice(BaseModel):
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionResponse(BaseModel):
@@ -323,6 +325,7 @@ class ChatChunkChoice(BaseModel):
     delta: dict[str, Any]  # role, content, or tool_calls (each with its index; see tool_calls.py)
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
 
 
 class ChatCompletionChunk(BaseModel):

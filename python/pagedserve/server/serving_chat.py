@@ -169,7 +169,7 @@ class OpenAIServingChat(OpenAIServing):
                 content, calls = parse_output(plan, c.text)
                 return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
                                   logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
-                                  finish_reason=finish_reason(c.finish_reason, calls))
+                                  finish_reason=finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason)
 
             def response() -> ChatCompletionResponse:
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]),
@@ -185,9 +185,10 @@ class OpenAIServingChat(OpenAIServing):
         exclude = None if req.include_usage else {"usage"}
         last = first  # the latest output: what continuous usage counts
 
-        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None, stop_reason=None) -> str:
             return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
-                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)],
+                ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                                stop_reason=stop_reason)],
                 usage=usage_of([last]) if req.continuous_usage else None), exclude)
 
         try:
@@ -211,7 +212,7 @@ class OpenAIServingChat(OpenAIServing):
                         deltas, reason = streamers[c.index].finish(c.finish_reason)
                         for delta in deltas:
                             yield chunk(c.index, delta)
-                        yield chunk(c.index, {}, reason)
+                        yield chunk(c.index, {}, reason, stop_reason=c.stop_reason)
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                               usage=usage_of([last])))

@@ -71,7 +71,8 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.echo:
                 entries, ids = list(out.prompt_logprobs or []) + entries, list(out.prompt_token_ids) + ids
             logprobs = completion_logprobs(entries, ids, self.token_text, self.token_bytes)
-        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason)
+        return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason)
 
     async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
@@ -80,9 +81,9 @@ class OpenAIServingCompletion(OpenAIServing):
         done: set[int] = set()
         last = list(firsts)
 
-        def chunk(index: int, text: str, logprobs=None, finish_reason=None) -> str:
+        def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> str:
             return sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
-                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason)],
+                index=index, text=text, logprobs=logprobs, finish_reason=finish_reason, stop_reason=stop_reason)],
                 usage=usage_of(last) if req.continuous_usage else None), exclude)
 
         try:
@@ -111,7 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     if c.finish_reason:
                         done.add(index)
-                    yield chunk(index, c.delta_text, lp, c.finish_reason)
+                    yield chunk(index, c.delta_text, lp, c.finish_reason, c.stop_reason)
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage_of(last)))
             yield SSE_DONE
