@@ -112,6 +112,23 @@ def test_stop_reason_names_the_stop_string_or_token_and_the_string_may_stay(serv
     assert said["stop_reason"] == "gamma" and text(said, key).endswith("beta gamma")
 
 
+def test_truncate_prompt_tokens_keeps_the_last_k(server):
+    body = {"model": MODEL, "prompt": "The quick brown fox jumps over the lazy", "temperature": 0, "max_tokens": 5}
+    ids = httpx.post(server + "/tokenize", json={"prompt": body["prompt"]}).json()["tokens"]
+    cut = httpx.post(server + "/v1/completions", json={**body, "truncate_prompt_tokens": 3}, timeout=60).json()
+    tail = httpx.post(server + "/v1/completions", json={**body, "prompt": ids[-3:]}, timeout=60).json()
+    assert cut["usage"]["prompt_tokens"] == 3 and cut["choices"][0]["text"] == tail["choices"][0]["text"]
+    whole = httpx.post(server + "/v1/completions", json={**body, "truncate_prompt_tokens": -1}, timeout=60).json()
+    assert whole["usage"]["prompt_tokens"] == len(ids)  # -1: up to max_model_len (all of this one)
+    long_chat = {"model": MODEL, "messages": [{"role": "user", "content": "word " * 3000}], "max_tokens": 2,
+                 "truncate_prompt_tokens": 100}
+    r = httpx.post(server + "/v1/chat/completions", json=long_chat, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 100  # too long for the context, cut
+    for bad in (0, -2, MAX_MODEL_LEN + 1):
+        r = httpx.post(server + "/v1/completions", json={**body, "truncate_prompt_tokens": bad}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

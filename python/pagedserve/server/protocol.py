@@ -96,6 +96,7 @@ class _Request(RequestBody):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: max_model_len)
     # vLLM extensions that would change the result and are not implemented:
     # accepted only with the value that means "off", else a 400 names them
     # (UNIMPLEMENTED)
@@ -109,7 +110,6 @@ class _Request(RequestBody):
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     vllm_xargs: dict | None = None
@@ -117,7 +117,7 @@ class _Request(RequestBody):
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "functions", "logit_bias", "min_tokens", "guided_decoding_backend",
         "guided_whitespace_pattern", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
-        "prompt_logprobs", "truncate_prompt_tokens", "spaces_between_special_tokens", "return_tokens_as_token_ids",
+        "prompt_logprobs", "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
 
     def unimplemented_in_use(self) -> str | None:

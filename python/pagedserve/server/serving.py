@@ -148,6 +148,21 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
+    def truncate(self, req: _Request, ids: list[int]) -> list[int]:
+        """The prompt's last req.truncate_prompt_tokens token ids (vLLM's
+        truncate_prompt_tokens: -1 keeps the last max_model_len; None keeps all).
+        Raises APIError 400 for 0, a value below -1 or above max_model_len."""
+        k = req.truncate_prompt_tokens
+        if k is None:
+            return ids
+        limit = self.core.max_model_len
+        if k == -1:
+            k = limit
+        if not 1 <= k <= limit:
+            raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {limit}] (max_model_len), got "
+                                f"{req.truncate_prompt_tokens}", param="truncate_prompt_tokens")
+        return ids[-k:]
+
     def tokenize(self, prompt: str | list[int], param: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """Prompt text or token ids -> token ids. Raises APIError 400 when empty or
         invalid (the tokenizer raises TypeError on text that is not valid Unicode,

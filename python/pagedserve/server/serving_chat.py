@@ -156,8 +156,8 @@ class OpenAIServingChat(OpenAIServing):
             constraint = (plan.constraint, "tools")
         if constraint is not None:
             await check_compiles(self.core, *constraint)
-        ids = await run_in_threadpool(self.render, req.messages, req, req.add_special_tokens,
-                                      plan.tools)  # off the event loop
+        ids = self.truncate(req, await run_in_threadpool(self.render, req.messages, req, req.add_special_tokens,
+                                                         plan.tools))  # off the event loop
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs,
                                       structured_outputs=constraint[0] if constraint else None)

@@ -37,6 +37,7 @@ class OpenAIServingCompletion(OpenAIServing):
         # tokenizing (and below, building a large logprobs response) runs on a worker
         # thread: the event loop keeps streaming other requests and noticing disconnects
         prompts = await run_in_threadpool(self.prompts, req.prompt, req.add_special_tokens)
+        prompts = [self.truncate(req, p) for p in prompts]
         constraint = constraint_of(req)
         if constraint is not None:
             await check_compiles(self.core, *constraint)
