@@ -121,10 +121,10 @@ class EngineArgs:
     speculative: str = field(default="off", metadata=_arg(
         "speculative decoding: ngram = prompt lookup (the tokens that followed the last n tokens' most recent "
         "earlier occurrence in the prompt or output are verified in the next step's forward pass, several tokens "
-        "per pass when they are right; every request without penalties (grammars, logprobs, n > 1 included); "
-        "greedy tokens are those without it where the engine is batch-invariant, as the start-up log says: with a "
-        "GGUF model on the cpu backend by default; sampled ones follow the same distribution, by speculative "
-        "sampling); off = one token per pass",
+        "per pass when they are right; every request without penalties or token filters (grammars, logprobs, "
+        "n > 1 included); greedy tokens are those without it where the engine is batch-invariant, as the start-up "
+        "log says: with a GGUF model on the cpu backend by default; sampled ones follow the same distribution, by "
+        "speculative sampling); off = one token per pass",
         choices=["off", "ngram"]))
     num_speculative_tokens: int = field(default=4, metadata=_arg(
         "--speculative: draft tokens proposed per sequence and step (each costs a query row whether right or not)"))

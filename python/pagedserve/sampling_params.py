@@ -107,6 +107,13 @@ class SamplingParams:
             the first (vLLM; OpenAI completions' echo + logprobs).
         structured_outputs: None, or a StructuredOutputsParams constraining
             every choice's output (JSON schema, regex, choice, grammar).
+        min_tokens: output tokens before EOS (unless ignore_eos) and
+            stop_token_ids may be sampled and stop strings end the output
+            (vLLM's); <= max_tokens. 0 = off.
+        logit_bias: None, or {token id: bias in [-100, 100]} added to those
+            logits before penalties and sampling (OpenAI's; logprobs stay raw).
+        allowed_token_ids: None, or the only token ids that may be sampled
+            (vLLM's; non-empty).
     Raises:
         ValueError from __post_init__ on an out-of-range value.
     """
@@ -129,6 +136,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    min_tokens: int = 0
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -163,6 +173,25 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t <= _INT32_MAX]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids, got {bad[0]}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got {self.min_tokens}")
+        if self.logit_bias is not None:
+            self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+            for t, b in self.logit_bias.items():
+                if not 0 <= t <= _INT32_MAX or not -100.0 <= b <= 100.0:
+                    raise ValueError(f"logit_bias must map token ids to biases in [-100, 100], got {t}: {b}")
+            self.logit_bias = self.logit_bias or None
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            if not self.allowed_token_ids or any(not 0 <= t <= _INT32_MAX for t in self.allowed_token_ids):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids}")
+
+    @property
+    def has_token_filters(self) -> bool:
+        """min_tokens, logit_bias or allowed_token_ids is set: the sampler
+        changes the logits per row before choosing."""
+        return self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None
 
     def choice_seed(self, index: int) -> int | None:
         """The generator seed of choice `index`: seed itself for choice 0, then

@@ -159,7 +159,7 @@ def test_one_rejected_prompt_of_several_is_400_and_aborts_the_others(server):
     ("/tokenize", {"prompt": "\ud800"}),
     ("/v1/completions", {"model": MODEL, "prompt": [True, False]}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "min_tokens": 5}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 4, "min_tokens": 5}),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": None}]}),
 ])
 def test_more_bad_input_is_400(server, client, path, body):
@@ -192,7 +192,7 @@ def test_body_that_is_not_json_is_a_json_400(server, headers):
 
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("/v1/chat/completions", {"logit_bias": {"123": 5}}, "logit_bias"),
+    ("/v1/chat/completions", {"bad_words": ["red"]}, "bad_words"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " the end"}, "suffix"),
 ])

@@ -222,3 +222,25 @@ def test_sampling_params_accepts_range_ends():
         SamplingParams(**kw)
     assert not SamplingParams().has_penalties and SamplingParams(repetition_penalty=1.1).has_penalties
     assert SamplingParams(temperature=0, frequency_penalty=1.0).greedy
+
+
+def test_token_filters_mask_bias_and_hold_back_stop_tokens_until_min_tokens():
+    from pagedserve.model.sampler import apply_token_filters
+
+    x = torch.arange(8, dtype=torch.float32)
+    p = SamplingParams(temperature=0, allowed_token_ids=[1, 5], logit_bias={1: 10.0}, max_tokens=4)
+    y = apply_token_filters(x, p, 0, eos_token_ids=[7])
+    assert y[1] == 11.0 and y[5] == 5.0 and torch.isinf(y[[0, 2, 3, 4, 6, 7]]).all() and x[0] == 0.0
+    held = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6], max_tokens=4)
+    assert int(torch.argmax(apply_token_filters(x, held, 1, eos_token_ids=[7]))) == 5  # EOS 7 and stop 6 masked
+    assert int(torch.argmax(apply_token_filters(x, held, 2, eos_token_ids=[7]))) == 7  # min_tokens reached
+    ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, max_tokens=4)
+    assert int(torch.argmax(apply_token_filters(x, ignoring, 0, eos_token_ids=[7]))) == 7  # EOS is no stop here
+    rows = [SamplingRow(held, [None], [], [[3]])]
+    assert Sampler([7])(x[None], rows).token_ids == [5]
+    with pytest.raises(ValueError):
+        SamplingParams(min_tokens=5, max_tokens=4)
+    with pytest.raises(ValueError):
+        SamplingParams(logit_bias={1: 100.5})
+    with pytest.raises(ValueError):
+        SamplingParams(allowed_token_ids=[])

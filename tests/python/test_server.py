@@ -129,6 +129,33 @@ def test_truncate_prompt_tokens_keeps_the_last_k(server):
         assert r.status_code == 400 and r.json()["error"]["param"] == "truncate_prompt_tokens"
 
 
+def test_token_filters_min_tokens_logit_bias_and_allowed_token_ids(server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hi."}], "temperature": 0,
+            "max_tokens": 40, "logprobs": True}
+    short = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()
+    n = short["usage"]["completion_tokens"]
+    assert short["choices"][0]["finish_reason"] == "stop" and n < 30  # ends at EOS
+    held = httpx.post(server + "/v1/chat/completions", json={**chat, "min_tokens": n + 5, "max_tokens": n + 5},
+                      timeout=60).json()
+    assert held["usage"]["completion_tokens"] == n + 5 and held["choices"][0]["finish_reason"] == "length"
+    first = short["choices"][0]["logprobs"]["content"]  # the same tokens until EOS was due: logprobs stay raw
+    assert held["choices"][0]["logprobs"]["content"][:n - 1] == first[:n - 1]
+    ids = httpx.post(server + "/tokenize", json={"prompt": " banana", "add_special_tokens": False}).json()["tokens"]
+    body = {"model": MODEL, "prompt": "My favourite fruit is", "temperature": 0, "max_tokens": 4}
+    biased = httpx.post(server + "/v1/completions", json={**body, "logit_bias": {str(ids[0]): 100}}, timeout=60)
+    assert biased.status_code == 200 and biased.json()["choices"][0]["text"].startswith(" banana")
+    allowed = [ids[0], 13, 198]
+    only = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": allowed, "logprobs": 0},
+                      timeout=60).json()
+    texts = {httpx.post(server + "/detokenize", json={"tokens": [a]}).json()["prompt"] for a in allowed}
+    got = only["choices"][0]["logprobs"]["tokens"]
+    assert len(got) == 4 and set(got) <= texts
+    for bad in ({"min_tokens": 5, "max_tokens": 4}, {"logit_bias": {"x": 1}}, {"logit_bias": {"1": 101}},
+                {"logit_bias": {"999999": 1}}, {"allowed_token_ids": []}, {"allowed_token_ids": [10**6]}):
+        r = httpx.post(server + "/v1/completions", json={**body, **bad}, timeout=60)
+        assert r.status_code == 400, (bad, r.text)
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

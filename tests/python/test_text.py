@@ -71,6 +71,13 @@ def test_the_stop_string_that_matched_is_named_and_may_stay_in_the_text():
     assert tie.append("xabcd") and tie.matched == "ab" and tie.text == "xab"  # same start: the first listed
 
 
+def test_text_added_unchecked_never_stops_and_only_later_text_is_checked():
+    m = StopStringMatcher(["stop"])
+    assert not m.append("no stop here", check=False) and m.text == "no stop here"  # min_tokens not reached
+    assert not m.append(" then", check=True)  # the earlier "stop" is not found again
+    assert m.append(" sto") is False and m.append("p now") and m.text == "no stop here then "
+
+
 def test_no_stop_strings_release_everything():
     m = StopStringMatcher([])
     assert not m.append("anything")

@@ -145,8 +145,8 @@ class LLMEngine:
                                   args.high_watermark),
             num_blocks, block_size)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len, prepared.lean)
-        self.sampler = Sampler()
         self.eos_token_ids = self._eos_token_ids()
+        self.sampler = Sampler(self.eos_token_ids)
         self.spec_decoder = make_speculative_decoder(args, self.scheduler, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
@@ -276,6 +276,11 @@ class LLMEngine:
             raise ValueError(f"priority must be in [-2**31, 2**31 - 1], got {priority}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
+        vocab = self.model.config.vocab_size
+        named = [t for t in (*(params.logit_bias or ()), *(params.allowed_token_ids or ())) if t >= vocab]
+        if named:
+            raise ValueError(f"token id {named[0]} (logit_bias / allowed_token_ids) is outside the vocabulary "
+                             f"[0, {vocab})")
         # Everything that can fail is built before the scheduler holds the request.
         grammars = None
         if params.structured_outputs is not None:

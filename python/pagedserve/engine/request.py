@@ -34,6 +34,7 @@ class Choice:
     logprobs: list[Logprob] | None = None  # one per output token when requested
     grammar: GrammarState | None = None  # where the output stands in its constraint (structured outputs)
     stop_token_ids: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason)
+    min_tokens: int = 0  # stop strings end the output only once it has this many tokens (vLLM's)
 
     def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:
         """Adds a sampled token (and its Logprob, if the request wants logprobs) and
@@ -43,7 +44,7 @@ class Choice:
             self.logprobs.append(logprob)
         if self.detokenizer is None:
             return False
-        return self.stop.append(self.detokenizer.step(token_id))
+        return self.stop.append(self.detokenizer.step(token_id), check=len(self.output_token_ids) >= self.min_tokens)
 
     def finish(self, reason: str, stop_string: bool = False) -> None:
         """Marks the choice finished ("stop", "length" or "abort"). Unless a stop
@@ -127,7 +128,7 @@ class Request:
             choices.append(Choice(i, detok, gen, StopStringMatcher(params.stop, params.include_stop_str_in_output),
                                   logprobs=[] if params.logprobs is not None else None,
                                   grammar=grammars[i] if grammars else None,
-                                  stop_token_ids=frozenset(params.stop_token_ids)))
+                                  stop_token_ids=frozenset(params.stop_token_ids), min_tokens=params.min_tokens))
         prompt_logprobs = [None] if params.prompt_logprobs is not None else None
         return cls(request_id, prompt, prompt_token_ids, params, choices, prompt_logprobs=prompt_logprobs)
 

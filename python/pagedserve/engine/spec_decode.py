@@ -36,8 +36,9 @@ known). Logprobs of the kept drafts and of the token after them come from the
 rows that decided them: the same bits as without speculation where the
 kernels are batch invariant. Each of n > 1 choices is a sequence of its own
 after its first token and takes its own drafts. Requests with penalties
-(which depend on every earlier output token) are not proposed for; they decode
-one token per step in the same batch.
+(which depend on every earlier output token) or token filters (min_tokens,
+logit_bias, allowed_token_ids) are not proposed for; they decode one token per
+step in the same batch.
 """
 
 from __future__ import annotations
@@ -91,9 +92,10 @@ class Verified:
 
 
 def eligible(params: SamplingParams) -> bool:
-    """Whether a request's tokens may be proposed for: no penalties (see the
-    module docstring)."""
-    return not params.has_penalties
+    """Whether a request's tokens may be proposed for: no penalties and no
+    token filters (min_tokens, logit_bias, allowed_token_ids; see the module
+    docstring)."""
+    return not params.has_penalties and not params.has_token_filters
 
 
 class SpeculativeDecoder:

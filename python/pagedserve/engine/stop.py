@@ -25,12 +25,14 @@ class StopStringMatcher:
         self.text = ""
         self.matched: str | None = None
 
-    def append(self, delta: str) -> bool:
+    def append(self, delta: str, check: bool = True) -> bool:
         """Adds text; returns True (and truncates self.text before the stop
-        string, or after it with include_stop_str) if a stop string appeared."""
+        string, or after it with include_stop_str) if a stop string appeared
+        that ends in this text. check=False only adds it (min_tokens: no stop
+        yet)."""
         start = max(0, len(self.text) - self.max_len + 1)
         self.text += delta
-        if not self.stop:
+        if not self.stop or not check:
             return False
         hits = [(i, k) for k, i in enumerate(self.text.find(s, start) for s in self.stop) if i >= 0]
         if hits:

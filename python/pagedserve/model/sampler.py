@@ -27,7 +27,8 @@ class SamplingRow:
             forks into n choices); None draws from torch's global generator.
         prompt_token_ids: the request's prompt (repetition penalty only).
         output_token_ids: per draw, that choice's output tokens so far (same
-            length as generators; read only when params.has_penalties).
+            length as generators; read only when params.has_penalties or
+            params.has_token_filters).
         grammars: per draw, that choice's GrammarState (structured outputs:
             tokens its grammar cannot take next are masked before penalties
             and sampling), or None for an unconstrained row.
@@ -135,14 +136,39 @@ def draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generat
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
 
 
+def apply_token_filters(logits: torch.Tensor, params: SamplingParams, num_output_tokens: int,
+                        eos_token_ids: Sequence[int]) -> torch.Tensor:
+    """logits [V] float32 with the request's token filters, a new tensor:
+    allowed_token_ids (every other token -inf), logit_bias (added), and while
+    fewer than min_tokens output tokens exist, its stop tokens (stop_token_ids,
+    and EOS unless ignore_eos) -inf: vLLM's logits processors, in its order."""
+    x = logits.clone()
+    if params.allowed_token_ids is not None:
+        keep = torch.as_tensor(params.allowed_token_ids, dtype=torch.long)
+        x = torch.full_like(x, float("-inf")).index_copy_(0, keep, x[keep])
+    if params.logit_bias is not None:
+        ids = torch.as_tensor(list(params.logit_bias), dtype=torch.long)
+        x.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=x.dtype))
+    if num_output_tokens < params.min_tokens:
+        stops = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
+        stops = [t for t in stops if t < x.shape[0]]
+        if stops:
+            x[torch.as_tensor(stops, dtype=torch.long)] = float("-inf")
+    return x
+
+
 class Sampler:
     """Rows without penalties or grammar: greedy ones by one batched argmax, the
     others by temperature, min-p, top-k, top-p, then a multinomial draw from
     each choice's own torch.Generator (so a seeded request samples the same
-    tokens whatever else is in the batch). Rows with penalties or a grammar:
-    the same per draw, on that choice's logits masked by its grammar, then
-    penalised with its own output (vLLM's order). Unconstrained rows never wait
-    for a grammar."""
+    tokens whatever else is in the batch). Rows with penalties, token filters or
+    a grammar: the same per draw, on that choice's logits masked by its grammar,
+    filtered (apply_token_filters), then penalised with its own output (vLLM's
+    order). Unconstrained rows never wait for a grammar."""
+
+    def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
+        """eos_token_ids: the model's end-of-sequence ids (min_tokens masks them)."""
+        self.eos_token_ids = list(eos_token_ids)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [S, V] float32 raw model logits, row i for rows[i].
@@ -166,7 +192,7 @@ class Sampler:
             p, gens = row.params, row.generators
             if len(row.output_token_ids) != len(gens):
                 raise ValueError(f"row {i}: {len(gens)} generators but {len(row.output_token_ids)} output_token_ids")
-            if not p.has_penalties and row.grammars is None:
+            if not p.has_penalties and not p.has_token_filters and row.grammars is None:
                 drawn = [argmax[i]] * len(gens) if p.greedy else draw(logits[i], p, gens, argmax[i])
             else:
                 prompt_mask = None
@@ -177,6 +203,8 @@ class Sampler:
                 grammars = row.grammars or [None] * len(gens)
                 for g, out, grammar in zip(gens, row.output_token_ids, grammars):
                     x = grammar.mask_logits(logits[i]) if grammar is not None else logits[i]
+                    if p.has_token_filters:
+                        x = apply_token_filters(x, p, len(out), self.eos_token_ids)
                     if p.has_penalties:
                         x = apply_penalties(x, prompt_mask, out, p)
                     best = int(torch.argmax(x))

@@ -74,9 +74,9 @@ class _Request(RequestBody):
     # Structured outputs (server/structured_outputs.py): response_format
     # json_object / json_schema and vLLM's guided_* and structured_outputs.
     # Tools and tool_choice: chat only (server/tool_calls.py); completions
-    # refuses them. functions, function_call (OpenAI's deprecated names) and
-    # logit_bias are refused when they would change the result.
-    logit_bias: dict[str, float] | None = None
+    # refuses them. functions and function_call (OpenAI's deprecated names) are
+    # refused when they would change the result.
+    logit_bias: dict[str, float] | None = None  # {token id: bias in [-100, 100]} (OpenAI's)
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -97,16 +97,16 @@ class _Request(RequestBody):
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: max_model_len)
+    min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many output tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
     # vLLM extensions that would change the result and are not implemented:
     # accepted only with the value that means "off", else a 400 names them
     # (UNIMPLEMENTED)
-    min_tokens: int = 0
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
     guided_decoding_backend: str | None = None
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     logits_processors: list | None = None
     prompt_logprobs: int | None = None
@@ -115,8 +115,8 @@ class _Request(RequestBody):
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "functions", "logit_bias", "min_tokens", "guided_decoding_backend",
-        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "allowed_token_ids", "bad_words", "logits_processors",
+        "functions", "guided_decoding_backend",
+        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "bad_words", "logits_processors",
         "prompt_logprobs", "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
 
