@@ -248,11 +248,15 @@ class LLMEngine:
                 raise ValueError("this engine has no tokenizer: give prompts as token ids")
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         ids = [int(t) for t in prompt]
+        self._check_token_ids(ids)
+        return ids
+
+    def _check_token_ids(self, ids, what: str = "") -> None:
+        """Raises ValueError naming the first of `ids` outside [0, vocab_size) (what: where they came from)."""
         vocab = self.model.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        return ids
+            raise ValueError(f"token id {bad[0]}{what} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
@@ -276,11 +280,8 @@ class LLMEngine:
             raise ValueError(f"priority must be in [-2**31, 2**31 - 1], got {priority}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
-        vocab = self.model.config.vocab_size
-        named = [t for t in (*(params.logit_bias or ()), *(params.allowed_token_ids or ())) if t >= vocab]
-        if named:
-            raise ValueError(f"token id {named[0]} (logit_bias / allowed_token_ids) is outside the vocabulary "
-                             f"[0, {vocab})")
+        self._check_token_ids([*(params.logit_bias or ()), *(params.allowed_token_ids or ())],
+                              " (logit_bias / allowed_token_ids)")
         # Everything that can fail is built before the scheduler holds the request.
         grammars = None
         if params.structured_outputs is not None:
