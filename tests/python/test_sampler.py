@@ -186,10 +186,11 @@ def test_no_logprobs_requested_gives_none():
 def test_compute_prompt_logprobs_matches_a_direct_computation():
     logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(0)) * 2
     targets = torch.tensor([3, 0, 39, 7, 7, 12])
-    lp, top = compute_prompt_logprobs(logits, targets, 4)
+    lp, top, rank = compute_prompt_logprobs(logits, targets, 4)
     for t in range(6):
         row_lp = [math.log(e) for e in torch.softmax(logits[t].double(), 0).tolist()]
         assert lp[t] == pytest.approx(row_lp[targets[t]], abs=1e-5)
+        assert rank[t] == 1 + sum(v > row_lp[targets[t]] for v in row_lp)
         best = sorted(range(40), key=lambda v: row_lp[v], reverse=True)[:4]
         assert [i for i, _ in top[t]] == best
         assert [v for _, v in top[t]] == pytest.approx([row_lp[i] for i in best], abs=1e-5)

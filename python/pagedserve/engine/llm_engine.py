@@ -495,9 +495,10 @@ class LLMEngine:
             for lo in range(0, len(idx), _PROMPT_LOGPROBS_SLICE):
                 hi = min(lo + _PROMPT_LOGPROBS_SLICE, len(idx))
                 logits = self.runner.compute_logits(extra_hidden[start + lo:start + hi])
-                lps, tops = compute_prompt_logprobs(logits, torch.tensor(targets[lo:hi], dtype=torch.long),
-                                                    req.params.prompt_logprobs)
-                req.prompt_logprobs += [Logprob(t, lp, top) for t, lp, top in zip(targets[lo:hi], lps, tops)]
+                lps, tops, ranks = compute_prompt_logprobs(logits, torch.tensor(targets[lo:hi], dtype=torch.long),
+                                                           req.params.prompt_logprobs)
+                req.prompt_logprobs += [Logprob(t, lp, top, rank)
+                                        for t, lp, top, rank in zip(targets[lo:hi], lps, tops, ranks)]
             start += len(idx)
 
     def _observe_finished(self, req: Request) -> None:

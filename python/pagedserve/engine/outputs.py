@@ -16,11 +16,14 @@ class Logprob:
         logprob: its log-probability (<= 0).
         top: the most likely (token_id, logprob) pairs at this position,
             descending; as many as the request asked for (may be empty).
+        rank: the token's 1-based rank in the distribution (1 = most likely;
+            ties share the better rank); set for prompt logprobs, else None.
     """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int | None = None
 
 
 @dataclass

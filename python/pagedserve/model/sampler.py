@@ -245,14 +245,15 @@ def raw_logprobs(logits: torch.Tensor, row_tokens: list[list[int]], num_top: lis
 
 
 def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
-                            num_top: int) -> tuple[list[float], list[TopLogprobs]]:
+                            num_top: int) -> tuple[list[float], list[TopLogprobs], list[int]]:
     """Logprobs of the prompt's tokens (for echo + logprobs; vLLM's
     prompt_logprobs, raw: no penalties, no temperature).
 
     logits: [T, V] (float32, or cast to it), row t the model's prediction for
     target_ids[t]; target_ids: [T] int64 token ids < V; num_top >= 0.
     Returns (per row the target's natural-log probability, per row the num_top
-    most likely (token_id, logprob), descending; [] when num_top is 0).
+    most likely (token_id, logprob), descending ([] when num_top is 0), per row
+    the target's 1-based rank: 1 + the number of tokens strictly more likely).
     Raises ValueError on mismatched shapes or a negative num_top.
     """
     if logits.dim() != 2 or target_ids.shape != (logits.shape[0],):
@@ -261,9 +262,11 @@ def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,
     if num_top < 0:
         raise ValueError(f"num_top must be >= 0, got {num_top}")
     lp = torch.log_softmax(logits.float(), dim=-1)
-    target = lp.gather(1, target_ids.to(device=lp.device, dtype=torch.long).unsqueeze(1)).squeeze(1).tolist()
+    target = lp.gather(1, target_ids.to(device=lp.device, dtype=torch.long).unsqueeze(1))
+    ranks = ((lp > target).sum(dim=1) + 1).tolist()
+    target = target.squeeze(1).tolist()
     k = min(num_top, lp.shape[1])
     if k == 0:
-        return target, [[] for _ in target]
+        return target, [[] for _ in target], ranks
     vals, ids = (t.tolist() for t in torch.topk(lp, k, dim=-1))
-    return target, [list(zip(i, v)) for i, v in zip(ids, vals)]
+    return target, [list(zip(i, v)) for i, v in zip(ids, vals)], ranks

@@ -1,5 +1,5 @@
 """The FastAPI app: OpenAI-compatible endpoints over an AsyncLLMEngine, plus
-/health, /version, /tokenize, /detokenize, Prometheus /metrics and a web chat
+/health, /version, /tokenize, /detokenize, /tokenizer_info, Prometheus /metrics and a web chat
 page at / (its files in static/, served under /static).
 
 Errors are OpenAI-shaped JSON ({"error": {message, type, param, code}}) with a
@@ -37,7 +37,7 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .serving_chat import OpenAIServingChat
+from .serving_chat import OpenAIServingChat, template_source
 from .serving_completion import OpenAIServingCompletion
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
@@ -154,6 +154,18 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
         ids = await run_in_threadpool(encode)  # off the event loop
         return TokenizeResponse(count=len(ids), max_model_len=core.max_model_len, tokens=ids)
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info():
+        """The tokenizer's special tokens, chat template and limits (vLLM's
+        /tokenizer_info): what a client that tokenizes through /tokenize
+        (lm-evaluation-harness's remote tokenizer) reads first."""
+        tok = core.tokenizer
+        if tok is None:
+            raise APIError(400, "this server has no tokenizer")
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token, "chat_template": template_source(tok) or None,
+                "model_max_length": core.max_model_len, "vocab_size": len(tok)}
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(req: DetokenizeRequest):

@@ -1,6 +1,7 @@
 """Engine Logprobs -> the two OpenAI response shapes: the legacy completions
 object (parallel lists tokens / token_logprobs / top_logprobs / text_offset)
-and chat's list of {token, logprob, bytes, top_logprobs}.
+and chat's list of {token, logprob, bytes, top_logprobs}; and vLLM's
+prompt_logprobs (per prompt token {token id: {logprob, rank, decoded_token}}).
 
 Token strings are each token decoded on its own (a byte-level BPE piece that
 is part of a multi-byte character decodes to U+FFFD). `bytes` holds the raw
@@ -13,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from ..engine.outputs import Logprob
-from .protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs
+from .protocol import ChatLogprobs, ChatTokenLogprob, ChatTopLogprob, CompletionLogprobs, PromptLogprob, PromptLogprobs
 
 TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
@@ -56,3 +57,26 @@ def chat_logprobs(entries: Sequence[Logprob], token_text: TokenText, token_bytes
         content.append(ChatTokenLogprob(token=head.token, logprob=head.logprob, bytes=head.bytes,
                                         top_logprobs=[top(t, lp) for t, lp in e.top]))
     return ChatLogprobs(content=content)
+
+
+def with_top(entries: Sequence[Logprob | None], num_top: int) -> list[Logprob | None]:
+    """entries with at most num_top alternatives each (the engine computed one
+    count for everything a request asked: echo's logprobs and prompt_logprobs)."""
+    return [e if e is None or len(e.top) <= num_top else Logprob(e.token_id, e.logprob, e.top[:num_top], e.rank)
+            for e in entries]
+
+
+def prompt_logprobs(entries: Sequence[Logprob | None], num_top: int, token_text: TokenText) -> PromptLogprobs:
+    """vLLM's prompt_logprobs: per prompt token None (the first: nothing predicts
+    it) or {token id: PromptLogprob} holding the prompt's token (with its rank)
+    and the num_top most likely tokens at that position (ranks 1..num_top)."""
+    out: PromptLogprobs = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        d = {t: PromptLogprob(logprob=lp, rank=r, decoded_token=token_text(t))
+             for r, (t, lp) in enumerate(e.top[:num_top], start=1)}
+        d[e.token_id] = PromptLogprob(logprob=e.logprob, rank=e.rank, decoded_token=token_text(e.token_id))
+        out.append(d)
+    return out

@@ -99,6 +99,8 @@ class _Request(RequestBody):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: max_model_len)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many output tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
+    # vLLM's: per prompt token its logprob, rank and this many alternatives (not with stream)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM extensions that would change the result and are not implemented:
     # accepted only with the value that means "off", else a 400 names them
     # (UNIMPLEMENTED)
@@ -109,7 +111,6 @@ class _Request(RequestBody):
     length_penalty: float = 1.0
     bad_words: list[str] | None = None
     logits_processors: list | None = None
-    prompt_logprobs: int | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
     vllm_xargs: dict | None = None
@@ -117,7 +118,7 @@ class _Request(RequestBody):
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "functions", "guided_decoding_backend",
         "guided_whitespace_pattern", "use_beam_search", "length_penalty", "bad_words", "logits_processors",
-        "prompt_logprobs", "spaces_between_special_tokens", "return_tokens_as_token_ids",
+        "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
 
     def unimplemented_in_use(self) -> str | None:
@@ -145,7 +146,8 @@ class CompletionRequest(_Request):
     token ids, or a list of token-id lists (one set of n choices per prompt)."""
 
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    max_tokens: int | None = Field(default=16, ge=1, le=2**31 - 1)  # OpenAI's and vLLM's default here
+    # OpenAI's and vLLM's default here; 0 (scoring): with echo or prompt_logprobs, nothing generated
+    max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
     echo: bool = False  # prepend the prompt to the text (and its logprobs, with logprobs)
     logprobs: int | None = Field(default=None, ge=0, le=20)  # top alternatives per token
     best_of: int | None = Field(default=None, ge=1)
@@ -264,12 +266,27 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One entry of vLLM's prompt_logprobs: a token's natural-log probability at
+    one prompt position, its 1-based rank there and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None for the first (nothing predicts
+# it), else {token id: PromptLogprob} for the prompt's token and the alternatives
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None
     stop_reason: int | str | None = None  # vLLM's: the stop string or stop token id that ended it
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
 class CompletionResponse(BaseModel):
@@ -318,6 +335,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
 class ChatChunkChoice(BaseModel):

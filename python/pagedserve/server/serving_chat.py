@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import RequestOutput
 from .errors import APIError
-from .logprobs import chat_logprobs
+from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -146,6 +146,9 @@ class OpenAIServingChat(OpenAIServing):
         self.reject_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError(400, "`top_logprobs` needs `logprobs: true`", param="top_logprobs")
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "`prompt_logprobs` is not available with `stream: true` (as vLLM)",
+                           param="prompt_logprobs")
         tok = self.core.tokenizer
         plan = plan_tools(req, tok is not None and template_reads_tools(tok))
         constraint = constraint_of(req)
@@ -160,6 +163,7 @@ class OpenAIServingChat(OpenAIServing):
                                                          plan.tools))  # off the event loop
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs,
+                                      prompt_logprobs=req.prompt_logprobs,
                                       structured_outputs=constraint[0] if constraint else None)
         request_id = response_id(raw, "chatcmpl")
         if not req.stream:
@@ -172,10 +176,14 @@ class OpenAIServingChat(OpenAIServing):
                                   finish_reason=finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason)
 
             def response() -> ChatCompletionResponse:
+                prompt_lps = None
+                if req.prompt_logprobs is not None:
+                    prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text)
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]),
-                                              choices=[choice(c) for c in out.outputs])
+                                              choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps)
 
-            return await run_in_threadpool(response) if req.logprobs else response()
+            slow = req.logprobs or req.prompt_logprobs is not None
+            return await run_in_threadpool(response) if slow else response()
         firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
         return StreamingResponse(self._stream(req, plan, request_id, firsts[0], outputs),
                                  media_type="text/event-stream")

@@ -1,5 +1,6 @@
 """POST /v1/completions (vLLM's serving_completion.py): one or several prompts,
-n choices each, echo, logprobs (with echo, the prompt's too), streaming."""
+n choices each, echo, logprobs (with echo, the prompt's too), vLLM's
+prompt_logprobs, scoring with max_tokens 0 (scoring.py), streaming."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .errors import APIError
-from .logprobs import completion_logprobs
+from .logprobs import completion_logprobs, prompt_logprobs, with_top
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
+from .scoring import engine_max_tokens, without_output
 from .structured_outputs import check_compiles, constraint_of
 
 
@@ -34,6 +36,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.best_of is not None and req.best_of > req.n:
             raise APIError(400, f"`best_of` ({req.best_of}) above n ({req.n}) is not supported by this server",
                            param="best_of", code="unsupported_parameter")
+        if req.stream and req.prompt_logprobs is not None:
+            raise APIError(400, "`prompt_logprobs` is not available with `stream: true` (as vLLM)",
+                           param="prompt_logprobs")
+        max_tokens = engine_max_tokens(req.max_tokens, req.echo, req.prompt_logprobs)
         # tokenizing (and below, building a large logprobs response) runs on a worker
         # thread: the event loop keeps streaming other requests and noticing disconnects
         prompts = await run_in_threadpool(self.prompts, req.prompt, req.add_special_tokens)
@@ -41,13 +47,16 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = constraint_of(req)
         if constraint is not None:
             await check_compiles(self.core, *constraint)
-        prompt_logprobs = req.logprobs if req.echo else None
-        params = [self.sampling_params(req, req.max_tokens, len(p), logprobs=req.logprobs,
-                                       prompt_logprobs=prompt_logprobs,
+        # one count of alternatives for both uses of the prompt's logprobs (each is cut to its own below)
+        asked = [k for k in (req.logprobs if req.echo else None, req.prompt_logprobs) if k is not None]
+        params = [self.sampling_params(req, max_tokens, len(p), logprobs=req.logprobs,
+                                       prompt_logprobs=max(asked) if asked else None,
                                        structured_outputs=constraint[0] if constraint else None) for p in prompts]
         request_id = response_id(raw, "cmpl")
         if not req.stream:
             outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority)
+            if req.max_tokens == 0:
+                outs = [without_output(o) for o in outs]
 
             def response() -> CompletionResponse:
                 choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
@@ -55,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                           usage=usage_of(outs))
 
-            return await run_in_threadpool(response) if req.logprobs is not None else response()
+            slow = req.logprobs is not None or req.prompt_logprobs is not None
+            return await run_in_threadpool(response) if slow else response()
         firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt, req.priority)
         return StreamingResponse(self._stream(req, request_id, firsts, outputs), media_type="text/event-stream")
 
@@ -70,17 +80,21 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.logprobs is not None:
             entries, ids = list(c.logprobs or []), list(c.token_ids)
             if req.echo:
-                entries, ids = list(out.prompt_logprobs or []) + entries, list(out.prompt_token_ids) + ids
+                entries = with_top(out.prompt_logprobs or [], req.logprobs) + entries
+                ids = list(out.prompt_token_ids) + ids
             logprobs = completion_logprobs(entries, ids, self.token_text, self.token_bytes)
+        prompt_lps = None
+        if req.prompt_logprobs is not None:
+            prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text)
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
-                                stop_reason=c.stop_reason)
+                                stop_reason=c.stop_reason, prompt_logprobs=prompt_lps)
 
     async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
         offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         done: set[int] = set()
-        last = list(firsts)
+        last = [without_output(o) for o in firsts] if req.max_tokens == 0 else list(firsts)
 
         def chunk(index: int, text: str, logprobs=None, finish_reason=None, stop_reason=None) -> str:
             return sse(CompletionResponse(id=request_id, model=self.model_name, choices=[CompletionChoice(
@@ -94,11 +108,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         index = i * req.n + c.index
                         lp = None
                         if req.logprobs is not None:
-                            lp = completion_logprobs(out.prompt_logprobs or [], out.prompt_token_ids,
+                            lp = completion_logprobs(with_top(out.prompt_logprobs or [], req.logprobs),
+                                                     out.prompt_token_ids,
                                                      self.token_text, self.token_bytes)
                             offsets[index] = sum(len(t) for t in lp.tokens)
                         yield chunk(index, self._prompt_text(out), lp)
             async for i, out in outputs:
+                if req.max_tokens == 0:
+                    out = without_output(out)
                 last[i] = out
                 for c in out.outputs:
                     index = i * req.n + c.index
