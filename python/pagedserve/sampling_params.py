@@ -114,6 +114,12 @@ class SamplingParams:
             logits before penalties and sampling (OpenAI's; logprobs stay raw).
         allowed_token_ids: None, or the only token ids that may be sampled
             (vLLM's; non-empty).
+        bad_words: words that must not be generated (vLLM's): each is
+            tokenized as it is and with one leading space (LLMEngine.add_request
+            fills bad_words_token_ids), and a sequence's last token is masked
+            wherever the output so far ends with the tokens before it.
+        bad_words_token_ids: the token-id sequences of bad_words (set by the
+            engine from its tokenizer; may be given directly instead).
     Raises:
         ValueError from __post_init__ on an out-of-range value.
     """
@@ -139,6 +145,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -187,11 +195,19 @@ class SamplingParams:
                 raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
                                  f"{self.allowed_token_ids}")
 
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [list(w) for w in self.bad_words_token_ids]
+            if any(not w or any(not 0 <= t <= _INT32_MAX for t in w) for w in self.bad_words_token_ids):
+                raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words}")
+
     @property
     def has_token_filters(self) -> bool:
-        """min_tokens, logit_bias or allowed_token_ids is set: the sampler
-        changes the logits per row before choosing."""
-        return self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None
+        """min_tokens, logit_bias, allowed_token_ids or bad words is set: the
+        sampler changes the logits per row before choosing."""
+        return (self.min_tokens > 0 or self.logit_bias is not None or self.allowed_token_ids is not None
+                or bool(self.bad_words_token_ids))
 
     def choice_seed(self, index: int) -> int | None:
         """The generator seed of choice `index`: seed itself for choice 0, then

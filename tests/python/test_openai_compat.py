@@ -192,7 +192,7 @@ def test_body_that_is_not_json_is_a_json_400(server, headers):
 
 @pytest.mark.parametrize("path,extra,param", [
     ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ("/v1/chat/completions", {"bad_words": ["red"]}, "bad_words"),
+    ("/v1/chat/completions", {"use_beam_search": True}, "use_beam_search"),
     ("/v1/completions", {"best_of": 3}, "best_of"),
     ("/v1/completions", {"suffix": " the end"}, "suffix"),
 ])

@@ -26,7 +26,7 @@ HONOURED = {
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "n", "seed", "stop", "stop_token_ids", "cache_salt", "ignore_eos", "skip_special_tokens",
     "stream", "stream_options", "add_special_tokens", "priority", "include_stop_str_in_output",
-    "truncate_prompt_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs",
+    "truncate_prompt_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs", "bad_words",
     # completions
     "prompt", "echo", "logprobs", "best_of",
     # chat
@@ -43,7 +43,7 @@ TURNED_ON = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "functions": [{"name": "f", "parameters": {}}],
     "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
-    "use_beam_search": True, "length_penalty": 0.5, "bad_words": ["red"],
+    "use_beam_search": True, "length_penalty": 0.5,
     "logits_processors": ["x"],
     "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True, "priority": 1,
     "vllm_xargs": {"a": 1}, "suffix": " end", "chat_template": "{{ messages }}", "echo": True,

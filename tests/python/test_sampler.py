@@ -230,13 +230,13 @@ def test_token_filters_mask_bias_and_hold_back_stop_tokens_until_min_tokens():
 
     x = torch.arange(8, dtype=torch.float32)
     p = SamplingParams(temperature=0, allowed_token_ids=[1, 5], logit_bias={1: 10.0}, max_tokens=4)
-    y = apply_token_filters(x, p, 0, eos_token_ids=[7])
+    y = apply_token_filters(x, p, [], eos_token_ids=[7])
     assert y[1] == 11.0 and y[5] == 5.0 and torch.isinf(y[[0, 2, 3, 4, 6, 7]]).all() and x[0] == 0.0
     held = SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[6], max_tokens=4)
-    assert int(torch.argmax(apply_token_filters(x, held, 1, eos_token_ids=[7]))) == 5  # EOS 7 and stop 6 masked
-    assert int(torch.argmax(apply_token_filters(x, held, 2, eos_token_ids=[7]))) == 7  # min_tokens reached
+    assert int(torch.argmax(apply_token_filters(x, held, [3], eos_token_ids=[7]))) == 5  # EOS 7 and stop 6 masked
+    assert int(torch.argmax(apply_token_filters(x, held, [3, 4], eos_token_ids=[7]))) == 7  # min_tokens reached
     ignoring = SamplingParams(temperature=0, min_tokens=2, ignore_eos=True, max_tokens=4)
-    assert int(torch.argmax(apply_token_filters(x, ignoring, 0, eos_token_ids=[7]))) == 7  # EOS is no stop here
+    assert int(torch.argmax(apply_token_filters(x, ignoring, [], eos_token_ids=[7]))) == 7  # EOS is no stop here
     rows = [SamplingRow(held, [None], [], [[3]])]
     assert Sampler([7])(x[None], rows).token_ids == [5]
     with pytest.raises(ValueError):
@@ -245,3 +245,20 @@ def test_token_filters_mask_bias_and_hold_back_stop_tokens_until_min_tokens():
         SamplingParams(logit_bias={1: 100.5})
     with pytest.raises(ValueError):
         SamplingParams(allowed_token_ids=[])
+
+
+def test_bad_words_mask_a_last_token_only_after_the_tokens_before_it():
+    from pagedserve.model.sampler import apply_token_filters
+
+    x = torch.arange(8, dtype=torch.float32)
+    p = SamplingParams(temperature=0, bad_words_token_ids=[[6], [2, 3, 7]])
+    assert p.has_token_filters
+    masked = lambda out: torch.isinf(apply_token_filters(x, p, out, [])).nonzero().flatten().tolist()  # noqa: E731
+    assert masked([]) == [6]  # a one-token word: always
+    assert masked([2]) == [6] and masked([3]) == [6]  # the prefix not complete yet
+    assert masked([5, 2, 3]) == [6, 7]  # ... and here it is: 7 would end the word
+    assert masked([2, 3, 1]) == [6]
+    with pytest.raises(ValueError):
+        SamplingParams(bad_words_token_ids=[[]])
+    with pytest.raises(ValueError):
+        SamplingParams(bad_words=["  "])

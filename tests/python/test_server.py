@@ -156,6 +156,30 @@ def test_token_filters_min_tokens_logit_bias_and_allowed_token_ids(server):
         assert r.status_code == 400, (bad, r.text)
 
 
+def test_bad_words_are_never_generated_streamed_or_not(server):
+    body = {"model": MODEL, "prompt": "The Eiffel Tower is in the city of", "temperature": 0,
+            "max_tokens": 12}
+    free = httpx.post(server + "/v1/completions", json=body, timeout=60).json()["choices"][0]["text"]
+    assert "Paris" in free
+    banned = {**body, "bad_words": ["Paris"], "n": 2, "temperature": 0.7, "seed": 1}
+    r = httpx.post(server + "/v1/completions", json=banned, timeout=60)
+    assert r.status_code == 200, r.text
+    texts = [c["text"] for c in r.json()["choices"]]
+    assert len(texts) == 2 and all("Paris" not in t for t in texts)
+    with httpx.stream("POST", server + "/v1/completions", json={**banned, "stream": True}, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    for i in range(2):
+        assert "".join(c["text"] for e in chunks for c in e["choices"] if c["index"] == i) == texts[i]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0, "max_tokens": 20}
+    said = httpx.post(server + "/v1/chat/completions", json=chat, timeout=60).json()["choices"][0]["message"]
+    assert "Paris" in said["content"]
+    unsaid = httpx.post(server + "/v1/chat/completions", json={**chat, "bad_words": ["Paris"]}, timeout=60).json()
+    assert "Paris" not in unsaid["choices"][0]["message"]["content"]
+    r = httpx.post(server + "/v1/completions", json={**body, "bad_words": [" "]}, timeout=60)
+    assert r.status_code == 400 and "bad_words" in r.text
+
+
 def test_chat_answers_paris_with_usage(client):
     r = ask_paris(client)
     assert "Paris" in r.choices[0].message.content

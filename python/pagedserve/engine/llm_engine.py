@@ -280,8 +280,11 @@ class LLMEngine:
             raise ValueError(f"priority must be in [-2**31, 2**31 - 1], got {priority}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
-        self._check_token_ids([*(params.logit_bias or ()), *(params.allowed_token_ids or ())],
-                              " (logit_bias / allowed_token_ids)")
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
+        self._check_token_ids([*(params.logit_bias or ()), *(params.allowed_token_ids or ()),
+                               *(t for word in params.bad_words_token_ids or () for t in word)],
+                              " (logit_bias / allowed_token_ids / bad_words)")
         # Everything that can fail is built before the scheduler holds the request.
         grammars = None
         if params.structured_outputs is not None:
@@ -500,6 +503,20 @@ class LLMEngine:
                 req.prompt_logprobs += [Logprob(t, lp, top, rank)
                                         for t, lp, top, rank in zip(targets[lo:hi], lps, tops, ranks)]
             start += len(idx)
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each bad word's token ids as written (leading spaces dropped) and
+        with one leading space (how a word usually follows another), without
+        special tokens; duplicates once. Raises ValueError without a tokenizer."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs a tokenizer (this engine has none); give bad_words_token_ids")
+        out: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer(text, add_special_tokens=False).input_ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
 
     def _observe_finished(self, req: Request) -> None:
         """Per choice, as vLLM counts the n child requests of a parallel-sampling

@@ -37,7 +37,7 @@ rows that decided them: the same bits as without speculation where the
 kernels are batch invariant. Each of n > 1 choices is a sequence of its own
 after its first token and takes its own drafts. Requests with penalties
 (which depend on every earlier output token) or token filters (min_tokens,
-logit_bias, allowed_token_ids) are not proposed for; they decode one token per
+logit_bias, allowed_token_ids, bad words) are not proposed for; they decode one token per
 step in the same batch.
 """
 
@@ -93,7 +93,7 @@ class Verified:
 
 def eligible(params: SamplingParams) -> bool:
     """Whether a request's tokens may be proposed for: no penalties and no
-    token filters (min_tokens, logit_bias, allowed_token_ids; see the module
+    token filters (min_tokens, logit_bias, allowed_token_ids, bad words; see the module
     docstring)."""
     return not params.has_penalties and not params.has_token_filters
 

@@ -136,12 +136,14 @@ def draw(x: torch.Tensor, params: SamplingParams, generators: list[torch.Generat
     return [int(torch.multinomial(probs, 1, generator=g)) for g in generators]
 
 
-def apply_token_filters(logits: torch.Tensor, params: SamplingParams, num_output_tokens: int,
+def apply_token_filters(logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int],
                         eos_token_ids: Sequence[int]) -> torch.Tensor:
-    """logits [V] float32 with the request's token filters, a new tensor:
-    allowed_token_ids (every other token -inf), logit_bias (added), and while
-    fewer than min_tokens output tokens exist, its stop tokens (stop_token_ids,
-    and EOS unless ignore_eos) -inf: vLLM's logits processors, in its order."""
+    """logits [V] float32 with the request's token filters, a new tensor, in
+    vLLM's order: allowed_token_ids (every other token -inf), logit_bias
+    (added), while fewer than min_tokens output tokens exist its stop tokens
+    (stop_token_ids, and EOS unless ignore_eos) -inf, then bad words: the last
+    token of each params.bad_words_token_ids sequence -inf where the output so
+    far ends with the sequence's other tokens (a one-token word always)."""
     x = logits.clone()
     if params.allowed_token_ids is not None:
         keep = torch.as_tensor(params.allowed_token_ids, dtype=torch.long)
@@ -149,11 +151,15 @@ def apply_token_filters(logits: torch.Tensor, params: SamplingParams, num_output
     if params.logit_bias is not None:
         ids = torch.as_tensor(list(params.logit_bias), dtype=torch.long)
         x.index_add_(0, ids, torch.tensor(list(params.logit_bias.values()), dtype=x.dtype))
-    if num_output_tokens < params.min_tokens:
+    if len(output_token_ids) < params.min_tokens:
         stops = [*params.stop_token_ids, *(() if params.ignore_eos else eos_token_ids)]
         stops = [t for t in stops if t < x.shape[0]]
         if stops:
             x[torch.as_tensor(stops, dtype=torch.long)] = float("-inf")
+    for word in params.bad_words_token_ids or ():
+        head = word[:-1]
+        if len(output_token_ids) >= len(head) and list(output_token_ids[len(output_token_ids) - len(head):]) == head:
+            x[word[-1]] = float("-inf")
     return x
 
 
@@ -204,7 +210,7 @@ class Sampler:
                 for g, out, grammar in zip(gens, row.output_token_ids, grammars):
                     x = grammar.mask_logits(logits[i]) if grammar is not None else logits[i]
                     if p.has_token_filters:
-                        x = apply_token_filters(x, p, len(out), self.eos_token_ids)
+                        x = apply_token_filters(x, p, out, self.eos_token_ids)
                     if p.has_penalties:
                         x = apply_penalties(x, prompt_mask, out, p)
                     best = int(torch.argmax(x))

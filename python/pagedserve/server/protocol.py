@@ -99,6 +99,7 @@ class _Request(RequestBody):
     truncate_prompt_tokens: int | None = None  # vLLM's: keep the prompt's last K tokens (-1: max_model_len)
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many output tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
+    bad_words: list[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)
     # vLLM's: per prompt token its logprob, rank and this many alternatives (not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM extensions that would change the result and are not implemented:
@@ -109,7 +110,6 @@ class _Request(RequestBody):
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
-    bad_words: list[str] | None = None
     logits_processors: list | None = None
     spaces_between_special_tokens: bool = True
     return_tokens_as_token_ids: bool = False
@@ -117,7 +117,7 @@ class _Request(RequestBody):
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
         "functions", "guided_decoding_backend",
-        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "bad_words", "logits_processors",
+        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "logits_processors",
         "spaces_between_special_tokens", "return_tokens_as_token_ids",
         "vllm_xargs")
 

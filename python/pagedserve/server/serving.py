@@ -143,7 +143,7 @@ class OpenAIServing:
                 repetition_penalty=req.repetition_penalty, seed=req.seed, max_tokens=max_tokens,
                 stop=req.stop or [], stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
                 include_stop_str_in_output=req.include_stop_str_in_output, min_tokens=req.min_tokens,
-                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids,
+                logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
                 skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs)
         except ValueError as e:
