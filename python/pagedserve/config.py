@@ -131,6 +131,11 @@ class EngineArgs:
     prompt_lookup_max: int = field(default=4, metadata=_arg("--speculative ngram: the longest n-gram matched"))
     prompt_lookup_min: int = field(default=2, metadata=_arg("--speculative ngram: the shortest n-gram matched"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
+    reasoning_parser: str | None = field(default=None, metadata=_arg(
+        "split a thinking model's <think>...</think> from its answer: chat answers carry it in "
+        "reasoning_content, structured outputs constrain only the answer; deepseek_r1 = reasoning until "
+        "</think> (the template opens the tag), qwen3 = reasoning only when the output opens with <think>",
+        choices=["deepseek_r1", "qwen3"]))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
         "(ChatML with tool calls, for ChatML models whose own template has no tool format, e.g. SmolLM2)"))
@@ -145,9 +150,9 @@ class EngineArgs:
                 raise TypeError(f"{f.name} must be {f.type}, got {type(v).__name__} {v!r}")
         for f in dataclasses.fields(self):  # the fixed choices of the CLI's own flags
             allowed = f.metadata.get("cli", {}).get("choices") if f.metadata else None
-            if isinstance(allowed, list) and getattr(self, f.name) not in allowed:
-                raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, "
-                                 f"got {getattr(self, f.name)!r}")
+            value = getattr(self, f.name)
+            if isinstance(allowed, list) and value not in allowed and not (value is None and f.type.endswith("| None")):
+                raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
         try:
             torch.device(self.device)
         except RuntimeError as e:

@@ -42,12 +42,18 @@ def tiny_llama_dir(tmp_path_factory):
     return str(path)
 
 
-def make_tiny_chat_model(smollm2_dir: str, path, max_position_embeddings: int) -> str:
+def make_tiny_chat_model(smollm2_dir: str, path, max_position_embeddings: int, extra_tokens: list[str] = (),
+                         chat_template: str | None = None) -> str:
     """Saves into `path` a 2-layer random Llama with SmolLM2's tokenizer
-    (vocabulary, special tokens, chat template); returns the folder."""
+    (vocabulary, special tokens, chat template), plus extra_tokens as added
+    tokens and chat_template in place of SmolLM2's when given; returns the folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    if extra_tokens:
+        tokenizer.add_tokens(list(extra_tokens))
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2,

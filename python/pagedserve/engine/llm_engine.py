@@ -32,13 +32,18 @@ from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs, raw_logprobs
 from ..sampling_params import SamplingParams
 from ..templates import load_chat_template
+from ..reasoning import get_parser
 from .outputs import Logprob, RequestOutput
 from .request import Request
 from .spec_decode import make_speculative_decoder
+from .token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
 _PROMPT_LOGPROBS_SLICE = 128  # prompt positions scored per lm_head call (memory bound)
+# a prompt closes the reasoning when its last tag in this many final tokens is the end tag (a template that
+# turned thinking off writes an empty <think></think> at the very end); earlier turns' tags do not count
+_PROMPT_TAIL_TOKENS = 16
 
 
 class LLMEngine:
@@ -150,6 +155,10 @@ class LLMEngine:
         self.spec_decoder = make_speculative_decoder(args, self.scheduler, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
+        self.reasoning_parser = get_parser(args.reasoning_parser)
+        if self.reasoning_parser is not None and self.tokenizer is None:
+            raise ValueError("--reasoning-parser needs the model's tokenizer")
+        self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
         self.metrics = EngineMetrics(self.model_name, self.max_model_len,
@@ -290,6 +299,11 @@ class LLMEngine:
         if params.structured_outputs is not None:
             compiled = self.structured_output.compile(params.structured_outputs)
             grammars = self.structured_output.new_states(compiled, params.n)
+            if self.reasoning_parser is not None:  # the constraint applies to the answer, after the thinking
+                from ..structured_output.reasoning_gate import ReasoningGate
+
+                ended = self.reasoning_ended_in_prompt(ids)
+                grammars = [ReasoningGate(g, self.reasoning_parser, self.token_bytes, ended) for g in grammars]
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)
         req.priority = priority
@@ -503,6 +517,14 @@ class LLMEngine:
                 req.prompt_logprobs += [Logprob(t, lp, top, rank)
                                         for t, lp, top, rank in zip(targets[lo:hi], lps, tops, ranks)]
             start += len(idx)
+
+    def reasoning_ended_in_prompt(self, prompt_token_ids: list[int]) -> bool:
+        """With a reasoning parser: whether the prompt's last _PROMPT_TAIL_TOKENS
+        tokens close the reasoning (a template that turned thinking off), so the
+        whole output is answer. False without a parser."""
+        if self.reasoning_parser is None:
+            return False
+        return self.reasoning_parser.ended_in_prompt(self.tokenizer.decode(prompt_token_ids[-_PROMPT_TAIL_TOKENS:]))
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each bad word's token ids as written (leading spaces dropped) and

@@ -249,11 +249,16 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int  # output tokens of the thinking (with --reasoning-parser)
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -302,7 +307,8 @@ class CompletionResponse(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str | None  # None when the answer is only tool calls
+    content: str | None  # None when the answer is only tool calls (or, with a reasoning parser, only thinking)
+    reasoning_content: str | None = None  # the thinking, with --reasoning-parser (vLLM's)
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 

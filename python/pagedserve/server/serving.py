@@ -17,10 +17,9 @@ from fastapi import Request
 
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.outputs import RequestOutput
-from ..engine.token_bytes import TokenBytes
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, ClientDisconnected
-from .protocol import PromptTokensDetails, UsageInfo, _Request
+from .protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo, _Request
 
 _DISCONNECT_POLL_S = 0.1  # how often a non-streamed request checks its client is still there
 
@@ -33,13 +32,17 @@ def sse(obj, exclude: set[str] | None = None) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
-def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
-    """Token counts summed over the prompts of one API request."""
+def usage_of(outputs: list[RequestOutput], reasoning_tokens: int | None = None) -> UsageInfo:
+    """Token counts summed over the prompts of one API request;
+    reasoning_tokens: of those output tokens, the thinking (None: no reasoning
+    parser, no completion_tokens_details)."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     cached = sum(o.num_cached_tokens for o in outputs)
+    details = None if reasoning_tokens is None else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+                     completion_tokens_details=details)
 
 
 async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -90,7 +93,7 @@ class OpenAIServing:
         self.core = engine.engine
         self.model_name = self.core.model_name
         tok = self.core.tokenizer
-        self.token_bytes = TokenBytes(tok) if tok is not None else (lambda token_id: str(token_id).encode())
+        self.token_bytes = self.core.token_bytes or (lambda token_id: str(token_id).encode())
         if tok is not None:
             _ = self.core.structured_output  # build the grammar compiler now (~0.2 s), not in the first request
 

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import RequestOutput
+from ..reasoning import ReasoningParser, ReasoningStreamer, reasoning_token_count
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (
@@ -169,9 +170,13 @@ class OpenAIServingChat(OpenAIServing):
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
 
+            thinks = self.thinks(ids)
+
             def choice(c) -> ChatChoice:
-                content, calls = parse_output(plan, c.text)
-                return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls),
+                reasoning, answer = thinks.split(c.text) if thinks is not None else (None, c.text)
+                content, calls = parse_output(plan, answer) if answer is not None else (None, [])
+                return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls,
+                                                                             reasoning_content=reasoning),
                                   logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
                                   finish_reason=finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason)
 
@@ -179,17 +184,34 @@ class OpenAIServingChat(OpenAIServing):
                 prompt_lps = None
                 if req.prompt_logprobs is not None:
                     prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text)
-                return ChatCompletionResponse(id=request_id, model=self.model_name, usage=usage_of([out]),
+                return ChatCompletionResponse(id=request_id, model=self.model_name, usage=self.usage(out, thinks),
                                               choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps)
 
             slow = req.logprobs or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()
         firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-        return StreamingResponse(self._stream(req, plan, request_id, firsts[0], outputs),
+        return StreamingResponse(self._stream(req, plan, self.thinks(ids), request_id, firsts[0], outputs),
                                  media_type="text/event-stream")
 
-    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, request_id: str, first: RequestOutput,
-                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    def thinks(self, prompt_token_ids: list[int]) -> ReasoningParser | None:
+        """The reasoning parser that splits this request's outputs: the
+        server's --reasoning-parser, unless there is none or the prompt already
+        closed the reasoning (thinking turned off: the output is all answer)."""
+        parser = self.core.reasoning_parser
+        if parser is None or self.core.reasoning_ended_in_prompt(prompt_token_ids):
+            return None
+        return parser
+
+    def usage(self, out: RequestOutput, thinks: ReasoningParser | None):
+        """usage_of(out), with completion_tokens_details.reasoning_tokens under a
+        reasoning parser (0 where the prompt turned thinking off)."""
+        if self.core.reasoning_parser is None:
+            return usage_of([out])
+        return usage_of([out], 0 if thinks is None else sum(
+            reasoning_token_count(thinks, c.token_ids, self.token_bytes) for c in out.outputs))
+
+    async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, thinks: ReasoningParser | None,
+                      request_id: str, first: RequestOutput, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
         last = first  # the latest output: what continuous usage counts
 
@@ -197,20 +219,28 @@ class OpenAIServingChat(OpenAIServing):
             return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                 ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                 stop_reason=stop_reason)],
-                usage=usage_of([last]) if req.continuous_usage else None), exclude)
+                usage=self.usage(last, thinks) if req.continuous_usage else None), exclude)
 
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
             done: set[int] = set()
             streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
+            reasoners = [ReasoningStreamer(thinks) for _ in range(req.n)] if thinks is not None else None
             async for _, out in outputs:
                 last = out
                 for c in out.outputs:
                     if c.index in done:
                         continue
                     lp = self._logprobs(c.delta_logprobs) if req.logprobs and c.delta_token_ids else None
-                    deltas = streamers[c.index].feed(c.delta_text)
+                    text, deltas = c.delta_text, []
+                    if reasoners is not None:  # the thinking first; the tool-call streamer sees only the answer
+                        thought, text = reasoners[c.index].feed(text)
+                        if c.finish_reason:  # what was held back while it could still become a tag
+                            more, rest = reasoners[c.index].finish()
+                            thought, text = thought + more, text + rest
+                        deltas = [{"reasoning_content": thought}] if thought else []
+                    deltas += streamers[c.index].feed(text)
                     if lp and not deltas:  # the logprobs of tokens whose text is held back
                         deltas = [{"content": ""}] if plan.mode == "none" else [{}]
                     for k, delta in enumerate(deltas):
@@ -223,7 +253,7 @@ class OpenAIServingChat(OpenAIServing):
                         yield chunk(c.index, {}, reason, stop_reason=c.stop_reason)
             if req.include_usage:
                 yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                              usage=usage_of([last])))
+                                              usage=self.usage(last, thinks)))
             yield SSE_DONE
         finally:
             await outputs.aclose()
