@@ -131,6 +131,11 @@ class EngineArgs:
     prompt_lookup_max: int = field(default=4, metadata=_arg("--speculative ngram: the longest n-gram matched"))
     prompt_lookup_min: int = field(default=2, metadata=_arg("--speculative ngram: the shortest n-gram matched"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
+    tool_call_parser: str = field(default="auto", metadata=_arg(
+        "how the model writes tool calls under tool_choice auto: hermes (<tool_call> blocks), mistral "
+        "([TOOL_CALLS] + a JSON array), llama3_json (JSON objects opening the output), pythonic ([f(a=1)]); "
+        "auto = the format whose marker the chat template contains, else hermes",
+        choices=["auto", "hermes", "mistral", "llama3_json", "pythonic"]))
     reasoning_parser: str | None = field(default=None, metadata=_arg(
         "split a thinking model's <think>...</think> from its answer: chat answers carry it in "
         "reasoning_content, structured outputs constrain only the answer; deepseek_r1 = reasoning until "

@@ -13,7 +13,8 @@ import pytest
 
 from pagedserve.server.errors import APIError
 from pagedserve.server.protocol import ChatCompletionRequest
-from pagedserve.server.tool_calls import ToolCallStreamer, parse_output, parse_tagged_calls, plan_tools
+from pagedserve.server.tool_calls import ToolCallStreamer, parse_output, plan_tools
+from pagedserve.server.tool_parsers import PARSERS
 from serverlib import MODEL
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
@@ -134,14 +135,14 @@ NAMES = ("get_weather", "get_time")
 def test_tagged_calls_are_parsed_with_the_text_before_them():
     text = 'Let me check.\n<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>\n' \
            '<tool_call>{"name": "get_time", "arguments": {"city": "Oslo"}}'  # the last one unclosed (EOS)
-    content, calls = parse_tagged_calls(text, NAMES)
+    content, calls = PARSERS["hermes"].parse(text, NAMES)
     assert content == "Let me check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in calls] == [
         ("get_weather", {"city": "Oslo"}), ("get_time", {"city": "Oslo"})]
     assert len({c.id for c in calls}) == 2
     for bad in ('<tool_call>{"name": "unknown", "arguments": {}}</tool_call>', "<tool_call>{not json</tool_call>"):
-        assert parse_tagged_calls(bad, NAMES) == (bad, [])
-    assert parse_tagged_calls("plain answer", NAMES) == ("plain answer", [])
+        assert PARSERS["hermes"].parse(bad, NAMES) == (bad, [])
+    assert PARSERS["hermes"].parse("plain answer", NAMES) == ("plain answer", [])
 
 
 def _plan(**kw):
@@ -211,6 +212,6 @@ def test_arguments_are_always_json_object_text():
     assert parse_output(plan, '[{"name": "s", "arguments": "Paris"}]')[1][0].function.arguments == '"Paris"'
     for args in ("null", "[1]", '"text"'):  # auto: a call whose arguments are not an object is not a call
         text = '<tool_call>{"name": "get_time", "arguments": ' + args + '}</tool_call>'
-        assert parse_tagged_calls(text, NAMES) == (text, [])
+        assert PARSERS["hermes"].parse(text, NAMES) == (text, [])
     text = '<tool_call>{"name": "get_time", "arguments": "{\\"city\\": \\"Rome\\"}"}</tool_call>'
-    assert parse_tagged_calls(text, NAMES)[1][0].function.arguments == '{"city": "Rome"}'
+    assert PARSERS["hermes"].parse(text, NAMES)[1][0].function.arguments == '{"city": "Rome"}'

@@ -146,7 +146,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
         def encode() -> list[int]:
             if req.messages is not None:
-                return chat.render(req.messages, req, bool(req.add_special_tokens))
+                return chat.render(req.messages, req, bool(req.add_special_tokens), req.tools or None)
             try:
                 return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids
             except (ValueError, TypeError) as e:

@@ -366,6 +366,7 @@ class TokenizeRequest(ChatTemplateFields):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
+    tools: list[dict] | None = None  # with messages: rendered by the chat template as chat requests render them
     add_special_tokens: bool | None = None  # unset: true for a prompt, false for messages (as the endpoints)
 
 

@@ -5,6 +5,7 @@ logprobs, structured outputs, tool calls, streaming."""
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import AsyncIterator
 
 import jinja2
@@ -31,7 +32,10 @@ from .protocol import (
 from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
 from .tool_calls import TEMPLATE_HINT, ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
+from .tool_parsers import choose_tool_parser
 
+
+logger = logging.getLogger(__name__)
 
 # apply_chat_template's own arguments and what the server passes itself
 RESERVED_TEMPLATE_ARGS = frozenset({
@@ -64,6 +68,13 @@ def template_reads_tools(tok) -> bool:
 
 class OpenAIServingChat(OpenAIServing):
     """Answers ChatCompletionRequests."""
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        tok = self.core.tokenizer
+        template = template_source(tok) if tok is not None and getattr(tok, "chat_template", None) else ""
+        self.tool_parser, why = choose_tool_parser(self.core.args.tool_call_parser, template)
+        logger.info("tool calls: %s format (%s)", self.tool_parser.name, why)
 
     def render(self, messages: list[ChatMessage], template: ChatTemplateFields,
                add_special_tokens: bool = False, tools: list[dict] | None = None) -> list[int]:
@@ -151,7 +162,7 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "`prompt_logprobs` is not available with `stream: true` (as vLLM)",
                            param="prompt_logprobs")
         tok = self.core.tokenizer
-        plan = plan_tools(req, tok is not None and template_reads_tools(tok))
+        plan = plan_tools(req, tok is not None and template_reads_tools(tok), self.tool_parser)
         constraint = constraint_of(req)
         if plan.constraint is not None:
             if constraint is not None:

@@ -4,8 +4,8 @@ how `tool_choice` constrains the output, and how the output becomes
 
 - "none" (the default without tools): tools are not rendered, the answer is text.
 - "auto" (the default with tools): the model decides; calls written in the
-  <tool_call>{"name": ..., "arguments": {...}}</tool_call> format (Hermes /
-  Qwen's, and PagedServe's chatml-tools template's) become tool calls.
+  server's tool-call format (tool_parsers.py: hermes `<tool_call>` blocks,
+  mistral, llama3_json, pythonic) become tool calls.
 - "required": the output is constrained to a JSON array of
   {"name": one of the tools, "arguments": its parameters} (as vLLM does):
   exactly one unless parallel_tool_calls is true (then one or more).
@@ -17,15 +17,12 @@ with tools (other than tool_choice "none") is then a 400 that says so.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 
 from ..sampling_params import StructuredOutputsParams
 from .errors import APIError
-from .protocol import ChatCompletionRequest, FunctionCall, ToolCall
-
-CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.DOTALL)
+from .protocol import ChatCompletionRequest, ToolCall
+from .tool_parsers import PARSERS, ToolParser, as_json, make_call
 TEMPLATE_HINT = ("start the server with --chat-template chatml-tools (ChatML models such as SmolLM2) or a "
                  "template file that renders tools and tool calls")
 _NO_TOOL_FORMAT = ("this model's chat template has no tool format (it never reads `tools`), so the model would "
@@ -44,6 +41,7 @@ class ToolPlan:
         function_name: the named function ("named" only).
         parallel: parallel_tool_calls (default False here, as llama.cpp's
             server: at most one call; True: one or more).
+        parser: the server's tool-call format ("auto").
     """
 
     mode: str
@@ -52,6 +50,7 @@ class ToolPlan:
     constraint: StructuredOutputsParams | None = None
     function_name: str | None = None
     parallel: bool = False
+    parser: ToolParser = PARSERS["hermes"]
 
 
 def _check_tools(tools: list) -> list[dict]:
@@ -95,12 +94,14 @@ def _rebased(schema, base: str):
     return out
 
 
-def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPlan:
+def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool,
+               parser: ToolParser = PARSERS["hermes"]) -> ToolPlan:
     """The ToolPlan of a chat request.
 
     Args:
         req: the request (tools, tool_choice, parallel_tool_calls).
         template_reads_tools: whether the chat template renders `tools`.
+        parser: the server's tool-call format (tool_choice "auto").
     Raises:
         APIError 400: malformed tools or tool_choice, a named function that is
         not among the tools, tool_choice required/named without tools, tools
@@ -130,7 +131,7 @@ def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPl
         raise APIError(400, _NO_TOOL_FORMAT, param="tools", code="unsupported_parameter")
     by_name = {t["function"]["name"]: t for t in tools}
     parallel = req.parallel_tool_calls is True  # off unless asked (as llama.cpp's server): small models repeat calls
-    plan = ToolPlan(mode, tools, tuple(by_name), parallel=parallel)
+    plan = ToolPlan(mode, tools, tuple(by_name), parallel=parallel, parser=parser)
     if mode == "named":
         if name not in by_name:
             raise APIError(400, f"`tool_choice` names `{name}`, which is not among the tools",
@@ -149,49 +150,6 @@ def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool) -> ToolPl
     return plan
 
 
-def _call(name: str, arguments: str) -> ToolCall:
-    """A tool call with `arguments` as JSON text."""
-    return ToolCall(function=FunctionCall(name=name, arguments=arguments))
-
-
-def _as_json(value) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def parse_tagged_calls(text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
-    """Tool calls written as <tool_call>{"name": ..., "arguments": ...}</tool_call>
-    (the last one may lack its closing tag when the model ended there).
-
-    Returns (the text before the first call, stripped, or None when empty;
-    the calls, arguments as JSON text). A block that is not such a JSON object
-    naming one of `names`, with an object (or an object's JSON text) as its
-    arguments, leaves the whole text as content and no calls.
-    """
-    start = text.find(CALL_OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for m in _CALL.finditer(text, start):
-        try:
-            obj = json.loads(m.group(1))
-        except ValueError:
-            return text, []
-        if not isinstance(obj, dict) or obj.get("name") not in names:
-            return text, []
-        arguments = obj.get("arguments", {})  # an object, or (some models) an object's JSON text
-        if not (isinstance(arguments, dict) or (isinstance(arguments, str) and _json_object(arguments))):
-            return text, []
-        calls.append(_call(obj["name"], arguments if isinstance(arguments, str) else _as_json(arguments)))
-    return text[:start].strip() or None, calls
-
-
-def _json_object(text: str) -> bool:
-    try:
-        return isinstance(json.loads(text), dict)
-    except ValueError:
-        return False
-
-
 def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     """A finished choice's (content, tool calls) under `plan`. Output that does
     not parse (a constrained one cut by max_tokens) stays content, no calls."""
@@ -200,15 +158,15 @@ def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]
             json.loads(text)
         except ValueError:
             return text, []
-        return None, [_call(plan.function_name, text)]
+        return None, [make_call(plan.function_name, text)]
     if plan.mode == "required":
         try:
             items = json.loads(text)
         except ValueError:
             return text, []
-        return None, [_call(it["name"], _as_json(it["arguments"])) for it in items]
+        return None, [make_call(it["name"], as_json(it["arguments"])) for it in items]
     if plan.mode == "auto":
-        return parse_tagged_calls(text, plan.names)
+        return plan.parser.parse(text, plan.names)
     return text, []
 
 
@@ -217,22 +175,14 @@ def finish_reason(reason: str | None, calls: list[ToolCall]) -> str | None:
     return "tool_calls" if calls and reason == "stop" else reason
 
 
-def _held_back(text: str) -> int:
-    """Characters at the end of `text` that may begin CALL_OPEN (held back while streaming)."""
-    for k in range(min(len(CALL_OPEN) - 1, len(text)), 0, -1):
-        if CALL_OPEN.startswith(text[-k:]):
-            return k
-    return 0
-
-
 class ToolCallStreamer:
     """Turns one choice's streamed text into chat deltas under a ToolPlan.
 
     named: the function's call opens with the first text, whose every delta is
     a piece of its arguments. required: calls are sent when the output is
     complete (the JSON array must be whole to be parsed). auto: text streams as
-    content until a <tool_call> opens (text that might begin one is held back),
-    the calls are sent when the output is complete.
+    content until the parser's calls open (text that might begin them is held
+    back), the calls are sent when the output is complete.
     """
 
     def __init__(self, plan: ToolPlan) -> None:
@@ -252,14 +202,15 @@ class ToolCallStreamer:
             if not delta:
                 return []
             if self.call is None:
-                self.call = _call(self.plan.function_name, "")
+                self.call = make_call(self.plan.function_name, "")
                 return [{"tool_calls": [{"index": 0, "id": self.call.id, "type": "function",
                                          "function": {"name": self.call.function.name, "arguments": delta}}]}]
             return [{"tool_calls": [{"index": 0, "function": {"arguments": delta}}]}]
         if mode == "required" or self.in_call:
             return []
-        at = self.text.find(CALL_OPEN, max(0, self.sent - len(CALL_OPEN)))
-        end = at if at >= 0 else len(self.text) - _held_back(self.text)
+        parser = self.plan.parser
+        at = parser.call_start(self.text)
+        end = at if at >= 0 else len(self.text) - parser.held_back(self.text)
         self.in_call = at >= 0
         piece, self.sent = self.text[self.sent:end], max(self.sent, end)
         return [{"content": piece}] if piece else []

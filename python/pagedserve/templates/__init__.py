@@ -10,6 +10,9 @@ _HERE = Path(__file__).parent
 # name -> file; one line each on what it is for
 BUNDLED = {
     "chatml-tools": "chatml_tools.jinja",  # ChatML with tool calls in <tool_call> tags (SmolLM2 and other ChatML models)
+    "llama3-json-tools": "llama3_json_tools.jinja",  # Llama 3 turns, JSON calls after <|python_tag|> (llama3_json)
+    "mistral-tools": "mistral_tools.jinja",  # [INST] turns, [TOOL_CALLS] + a JSON array (mistral)
+    "pythonic-tools": "pythonic_tools.jinja",  # ChatML, calls as a Python list [f(a=1)] (pythonic)
 }
 
 
