@@ -131,6 +131,9 @@ class EngineArgs:
     prompt_lookup_max: int = field(default=4, metadata=_arg("--speculative ngram: the longest n-gram matched"))
     prompt_lookup_min: int = field(default=2, metadata=_arg("--speculative ngram: the shortest n-gram matched"))
     skip_tokenizer_init: bool = field(default=False, metadata=_arg("load no tokenizer (token-id prompts only)"))
+    structured_outputs_compile_timeout: float = field(default=10.0, metadata=_arg(
+        "seconds the server waits for a structured-output constraint to compile before answering 400 (the "
+        "compile goes on in the background and is cached: the same constraint later is served)", type=float))
     tool_call_parser: str = field(default="auto", metadata=_arg(
         "how the model writes tool calls under tool_choice auto: hermes (<tool_call> blocks), mistral "
         "([TOOL_CALLS] + a JSON array), llama3_json (JSON objects opening the output), pythonic ([f(a=1)]); "
@@ -174,6 +177,9 @@ class EngineArgs:
             self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
         except argparse.ArgumentTypeError as e:
             raise ValueError(f"kv_cache_memory: {e}") from e
+        if not self.structured_outputs_compile_timeout > 0:
+            raise ValueError(f"structured_outputs_compile_timeout must be > 0 s, got "
+                             f"{self.structured_outputs_compile_timeout}")
         if not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:

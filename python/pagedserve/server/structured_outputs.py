@@ -4,6 +4,8 @@ check that it compiles, answered as a 400 naming the field."""
 
 from __future__ import annotations
 
+import asyncio
+
 from starlette.concurrency import run_in_threadpool
 
 from ..errors import InvalidStructuredOutputError
@@ -70,10 +72,19 @@ def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
 async def check_compiles(core, constraint: StructuredOutputsParams, field: str) -> None:
     """Compiles the constraint on a worker thread (the engine thread then finds
     it in the compiler's cache); raises APIError 400 naming `field` when it is
-    invalid or the server has no tokenizer."""
+    invalid, too large or uses a keyword the backend would ignore
+    (structured_output/limits.py), does not compile within
+    --structured-outputs-compile-timeout seconds (the compile cannot be
+    interrupted: it finishes on its thread and is cached), or the server has
+    no tokenizer."""
+    timeout = core.args.structured_outputs_compile_timeout
     try:
         manager = core.structured_output
-        await run_in_threadpool(manager.compile, constraint)
+        await asyncio.wait_for(asyncio.shield(run_in_threadpool(manager.compile, constraint)), timeout)
+    except asyncio.TimeoutError as e:
+        raise APIError(400, f"`{field}`: the constraint did not compile within {timeout:g} s "
+                            "(--structured-outputs-compile-timeout); simplify it", param=field,
+                       code="constraint_too_complex") from e
     except InvalidStructuredOutputError as e:
         raise APIError(400, f"`{field}`: {e}", param=field) from e
     except ValueError as e:  # no tokenizer

@@ -10,6 +10,7 @@ import xgrammar as xgr
 
 from ..errors import InvalidStructuredOutputError
 from ..sampling_params import StructuredOutputsParams
+from .limits import check_schema, check_size
 
 
 CACHE_LIMIT_BYTES = 256 * 2**20  # compiled grammars kept (bytes); least recently used go first
@@ -81,9 +82,11 @@ class StructuredOutputManager:
         """The compiled grammar of a constraint.
 
         Raises InvalidStructuredOutputError (a ValueError) naming the field
-        when the schema, regex or grammar is invalid or unsupported, or admits
-        no first token at all (e.g. a schema that only refers to itself).
+        when the schema, regex or grammar is invalid or unsupported, uses a
+        keyword the backend would ignore, is larger than limits.py allows, or
+        admits no first token at all (e.g. a schema that only refers to itself).
         """
+        check_size(params)
         compiled = self._compile(params)
         if not self.new_states(compiled, 1)[0].admits_any():
             raise InvalidStructuredOutputError(params.kind, f"invalid {_WHAT[params.kind]}: no output satisfies it")
@@ -94,7 +97,7 @@ class StructuredOutputManager:
         try:
             if kind == "json":
                 schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                json.loads(schema)  # a clear message for text that is not JSON
+                check_schema(json.loads(schema))  # (json.loads: a clear message for text that is not JSON)
                 return self.compiler.compile_json_schema(schema, any_whitespace=False)
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
@@ -104,6 +107,8 @@ class StructuredOutputManager:
                 alternatives = " | ".join(json.dumps(c, ensure_ascii=False) for c in params.choice)
                 return self.compiler.compile_grammar(f"root ::= {alternatives}")
             return self.compiler.compile_grammar(params.grammar)
+        except InvalidStructuredOutputError:
+            raise
         except (RuntimeError, ValueError, TypeError) as e:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             if "] " in reason and reason.startswith("["):  # xgrammar's "[time] file:line: message"
