@@ -134,6 +134,9 @@ class EngineArgs:
     structured_outputs_compile_timeout: float = field(default=10.0, metadata=_arg(
         "seconds the server waits for a structured-output constraint to compile before answering 400 (the "
         "compile goes on in the background and is cached: the same constraint later is served)", type=float))
+    trust_request_chat_template: bool = field(default=False, metadata=_arg(
+        "let a chat request's chat_template field replace the model's template (rendered in transformers' "
+        "sandboxed Jinja environment; off: such a request is a 400), as vLLM's flag"))
     tool_call_parser: str = field(default="auto", metadata=_arg(
         "how the model writes tool calls under tool_choice auto: hermes (<tool_call> blocks), mistral "
         "([TOOL_CALLS] + a JSON array), llama3_json (JSON objects opening the output), pythonic ([f(a=1)]); "

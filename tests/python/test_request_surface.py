@@ -27,6 +27,7 @@ HONOURED = {
     "repetition_penalty", "n", "seed", "stop", "stop_token_ids", "cache_salt", "ignore_eos", "skip_special_tokens",
     "stream", "stream_options", "add_special_tokens", "priority", "include_stop_str_in_output",
     "truncate_prompt_tokens", "min_tokens", "logit_bias", "allowed_token_ids", "prompt_logprobs", "bad_words",
+    "return_tokens_as_token_ids", "guided_decoding_backend", "chat_template",
     # completions
     "prompt", "echo", "logprobs", "best_of",
     # chat
@@ -37,16 +38,16 @@ HONOURED = {
     "tools", "tool_choice", "parallel_tool_calls",
 }
 # accepted because they cannot change the text (or are refused in the cases where they would)
-HARMLESS = {"user", "store", "metadata", "service_tier", "prediction", "function_call"}
+HARMLESS = {"user", "store", "metadata", "service_tier", "prediction", "function_call",
+            "spaces_between_special_tokens"}
 # a value that turns each refused field on
 TURNED_ON = {
     "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
     "functions": [{"name": "f", "parameters": {}}],
-    "guided_decoding_backend": "xgrammar", "guided_whitespace_pattern": " ",
+    "guided_whitespace_pattern": " ",
     "use_beam_search": True, "length_penalty": 0.5,
     "logits_processors": ["x"],
-    "spaces_between_special_tokens": False, "return_tokens_as_token_ids": True, "priority": 1,
-    "vllm_xargs": {"a": 1}, "suffix": " end", "chat_template": "{{ messages }}", "echo": True,
+    "priority": 1, "vllm_xargs": {"a": 1}, "suffix": " end",
     "audio": {"voice": "alloy", "format": "wav"}, "web_search_options": {"search_context_size": "low"}, "verbosity": "low",
 }
 

@@ -100,25 +100,24 @@ class _Request(RequestBody):
     min_tokens: int = 0  # vLLM's: no EOS, stop token or stop string before this many output tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: the only tokens that may be sampled
     bad_words: list[str] | None = None  # vLLM's: words never generated (SamplingParams.bad_words)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprob tokens as "token_id:<id>"
     # vLLM's: per prompt token its logprob, rank and this many alternatives (not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
-    # vLLM extensions that would change the result and are not implemented:
-    # accepted only with the value that means "off", else a 400 names them
-    # (UNIMPLEMENTED)
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
-    guided_decoding_backend: str | None = None
+    guided_decoding_backend: str | None = None  # vLLM's: only xgrammar here ("auto" and "xgrammar" accepted)
+    # accepted, either value: the detokenizer (tokenizers' fast decoder) never puts spaces between special tokens
+    spaces_between_special_tokens: bool = True
+    # vLLM extensions that do not apply to this engine: accepted only with the value that means "off", else a
+    # 400 names them (UNIMPLEMENTED): beam search, arbitrary logits processors (code), plugins' extra
+    # arguments, a whitespace pattern (xgrammar takes none), OpenAI's pre-tools `functions`
     guided_whitespace_pattern: str | None = None
     use_beam_search: bool = False
     length_penalty: float = 1.0
     logits_processors: list | None = None
-    spaces_between_special_tokens: bool = True
-    return_tokens_as_token_ids: bool = False
     vllm_xargs: dict | None = None
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = (
-        "functions", "guided_decoding_backend",
-        "guided_whitespace_pattern", "use_beam_search", "length_penalty", "logits_processors",
-        "spaces_between_special_tokens", "return_tokens_as_token_ids",
+        "functions", "guided_whitespace_pattern", "use_beam_search", "length_penalty", "logits_processors",
         "vllm_xargs")
 
     def unimplemented_in_use(self) -> str | None:
@@ -221,6 +220,8 @@ class ChatTemplateFields(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables, e.g. enable_thinking
     documents: list[dict[str, str]] | None = None  # for templates that take retrieval documents
     reasoning_effort: str | None = None  # a template variable of reasoning models' templates
+    # vLLM's: a Jinja template replacing the model's for this request (needs --trust-request-chat-template)
+    chat_template: str | None = None
 
 
 class ChatCompletionRequest(_Request, ChatTemplateFields):
@@ -231,10 +232,8 @@ class ChatCompletionRequest(_Request, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_special_tokens: bool = False  # vLLM: tokenizer's BOS etc. around the rendered text (the template has them)
-    # not implemented (400 when set): a template from the request (vLLM needs a trust
-    # flag for it), vLLM's echo of the final message, audio and web search
-    chat_template: str | None = None
-    echo: bool = False
+    echo: bool = False  # vLLM's: the answer starts with the final message's text when that is the assistant's
+    # do not apply to a text-only model without web access (400 when set)
     audio: dict | None = None
     web_search_options: dict | None = None
     verbosity: str | None = None
@@ -242,7 +241,7 @@ class ChatCompletionRequest(_Request, ChatTemplateFields):
     prediction: dict | None = None  # predicted outputs only make OpenAI faster: accepted, unused
 
     UNIMPLEMENTED: ClassVar[tuple[str, ...]] = _Request.UNIMPLEMENTED + (
-        "chat_template", "echo", "audio", "web_search_options", "verbosity")
+        "audio", "web_search_options", "verbosity")
 
 
 class PromptTokensDetails(BaseModel):

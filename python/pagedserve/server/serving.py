@@ -118,6 +118,9 @@ class OpenAIServing:
         name = req.unimplemented_in_use()
         if name is not None:
             refuse(name)
+        if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            refuse("guided_decoding_backend", f"{req.guided_decoding_backend!r} is not available: this server's "
+                                              "structured outputs run on xgrammar (auto or xgrammar)")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
         if req.n > self.core.args.max_num_seqs:
@@ -177,6 +180,14 @@ class OpenAIServing:
             return self.core.tokenize(prompt, add_special_tokens)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"cannot tokenize the prompt: {e}", param=param) from e
+
+    def token_text_of(self, req: _Request):
+        """How the request's logprobs show a token: its text, or with vLLM's
+        return_tokens_as_token_ids "token_id:<id>" (a token that is part of a
+        character decodes to U+FFFD on its own; its id never does)."""
+        if req.return_tokens_as_token_ids:
+            return lambda token_id: f"token_id:{token_id}"
+        return self.token_text
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as OpenAI shows it (leading space kept)."""

@@ -56,12 +56,13 @@ def template_source(tok) -> str:
     return source.get("default", "") if isinstance(source, dict) else source
 
 
-def template_reads_tools(tok) -> bool:
-    """Whether the chat template renders `tools` (a named "tool_use" template counts)."""
-    if isinstance(tok.chat_template, dict) and "tool_use" in tok.chat_template:
+def template_reads_tools(tok, source: str | None = None) -> bool:
+    """Whether the chat template (source, else the tokenizer's) renders `tools`
+    (a named "tool_use" template counts)."""
+    if source is None and isinstance(tok.chat_template, dict) and "tool_use" in tok.chat_template:
         return True
     try:
-        return "tools" in template_variables(template_source(tok))
+        return "tools" in template_variables(source if source is not None else template_source(tok))
     except jinja2.TemplateError:
         return False
 
@@ -91,12 +92,13 @@ class OpenAIServingChat(OpenAIServing):
         if not messages:
             raise APIError(400, "messages must not be empty", param="messages")
         tok = self.core.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
+        source = self.template_of(template)
+        if not source:
             raise APIError(400, "this model has no chat template; use /v1/completions")
         for i, m in enumerate(messages):
             if m.content is None and m.role != "assistant":
                 raise APIError(400, "only assistant messages may have no content", param=f"messages.{i}.content")
-            if m.tool_calls and "tool_calls" not in template_source(tok):
+            if m.tool_calls and "tool_calls" not in source:
                 raise APIError(400, f"this model's chat template cannot render an assistant's tool calls; "
                                     f"{TEMPLATE_HINT}", param=f"messages.{i}.tool_calls", code="unsupported_parameter")
             if m.tool_calls and m.role != "assistant":
@@ -109,11 +111,11 @@ class OpenAIServingChat(OpenAIServing):
             if messages[-1].role != "assistant" or not messages[-1].text():
                 raise APIError(400, "`continue_final_message` needs a final assistant message with text to continue",
                                param="continue_final_message")
-        extra = self._template_extras(tok, template)
+        extra = self._template_extras(source, template)
         try:
             text = tok.apply_chat_template(
                 [m.template_dict() for m in messages], tools=tools, documents=template.documents or None,
-                tokenize=False,
+                tokenize=False, chat_template=template.chat_template or None,
                 add_generation_prompt=template.add_generation_prompt,
                 continue_final_message=template.continue_final_message, **extra)
             return tok(text, add_special_tokens=add_special_tokens).input_ids
@@ -122,11 +124,24 @@ class OpenAIServingChat(OpenAIServing):
         except jinja2.TemplateError as e:  # the template's own raise_exception (e.g. roles it refuses)
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
 
-    def _logprobs(self, entries) -> ChatLogprobs:
-        return chat_logprobs(entries, self.token_text, self.token_bytes)
+    def _logprobs(self, entries, req: ChatCompletionRequest) -> ChatLogprobs:
+        return chat_logprobs(entries, self.token_text_of(req), self.token_bytes)
+
+    def template_of(self, template: ChatTemplateFields) -> str:
+        """The chat template text a request renders with: its own chat_template
+        (vLLM's; only under --trust-request-chat-template, else APIError 400),
+        or the model's ("" when it has none)."""
+        if template.chat_template:
+            if not self.core.args.trust_request_chat_template:
+                raise APIError(400, "`chat_template` in a request is honoured only when the server runs with "
+                                    "--trust-request-chat-template", param="chat_template",
+                               code="unsupported_parameter")
+            return template.chat_template
+        tok = self.core.tokenizer
+        return template_source(tok) if tok is not None and getattr(tok, "chat_template", None) else ""
 
     @staticmethod
-    def _template_extras(tok, template: ChatTemplateFields) -> dict:
+    def _template_extras(source: str, template: ChatTemplateFields) -> dict:
         """The extra variables for apply_chat_template: chat_template_kwargs and
         reasoning_effort. Raises APIError 400 naming a kwarg that is
         apply_chat_template's own argument, or a variable (documents included)
@@ -140,7 +155,6 @@ class OpenAIServingChat(OpenAIServing):
             asked["documents"] = "documents"
         if not asked:
             return extra
-        source = template_source(tok)
         try:
             variables = template_variables(source)
         except jinja2.TemplateError as e:
@@ -162,7 +176,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(400, "`prompt_logprobs` is not available with `stream: true` (as vLLM)",
                            param="prompt_logprobs")
         tok = self.core.tokenizer
-        plan = plan_tools(req, tok is not None and template_reads_tools(tok), self.tool_parser)
+        source = self.template_of(req) if req.chat_template else None
+        plan = plan_tools(req, tok is not None and template_reads_tools(tok, source), self.tool_parser)
         constraint = constraint_of(req)
         if plan.constraint is not None:
             if constraint is not None:
@@ -181,20 +196,22 @@ class OpenAIServingChat(OpenAIServing):
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
 
-            thinks = self.thinks(ids)
+            thinks, echo = self.thinks(ids), self.echoed(req)
 
             def choice(c) -> ChatChoice:
                 reasoning, answer = thinks.split(c.text) if thinks is not None else (None, c.text)
                 content, calls = parse_output(plan, answer) if answer is not None else (None, [])
+                if echo:
+                    content = echo + (content or "")
                 return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls,
                                                                              reasoning_content=reasoning),
-                                  logprobs=self._logprobs(c.logprobs) if req.logprobs else None,
+                                  logprobs=self._logprobs(c.logprobs, req) if req.logprobs else None,
                                   finish_reason=finish_reason(c.finish_reason, calls), stop_reason=c.stop_reason)
 
             def response() -> ChatCompletionResponse:
                 prompt_lps = None
                 if req.prompt_logprobs is not None:
-                    prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text)
+                    prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text_of(req))
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=self.usage(out, thinks),
                                               choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps)
 
@@ -203,6 +220,13 @@ class OpenAIServingChat(OpenAIServing):
         firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
         return StreamingResponse(self._stream(req, plan, self.thinks(ids), request_id, firsts[0], outputs),
                                  media_type="text/event-stream")
+
+    @staticmethod
+    def echoed(req: ChatCompletionRequest) -> str:
+        """With vLLM's `echo`: the text the answer starts with, the final
+        message's when it is the assistant's (continue_final_message), else ""."""
+        last = req.messages[-1]
+        return last.text() if req.echo and last.role == "assistant" else ""
 
     def thinks(self, prompt_token_ids: list[int]) -> ReasoningParser | None:
         """The reasoning parser that splits this request's outputs: the
@@ -235,6 +259,8 @@ class OpenAIServingChat(OpenAIServing):
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
+                if echo := self.echoed(req):
+                    yield chunk(i, {"content": echo})
             done: set[int] = set()
             streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
             reasoners = [ReasoningStreamer(thinks) for _ in range(req.n)] if thinks is not None else None
@@ -243,7 +269,7 @@ class OpenAIServingChat(OpenAIServing):
                 for c in out.outputs:
                     if c.index in done:
                         continue
-                    lp = self._logprobs(c.delta_logprobs) if req.logprobs and c.delta_token_ids else None
+                    lp = self._logprobs(c.delta_logprobs, req) if req.logprobs and c.delta_token_ids else None
                     text, deltas = c.delta_text, []
                     if reasoners is not None:  # the thinking first; the tool-call streamer sees only the answer
                         thought, text = reasoners[c.index].feed(text)

@@ -82,10 +82,10 @@ class OpenAIServingCompletion(OpenAIServing):
             if req.echo:
                 entries = with_top(out.prompt_logprobs or [], req.logprobs) + entries
                 ids = list(out.prompt_token_ids) + ids
-            logprobs = completion_logprobs(entries, ids, self.token_text, self.token_bytes)
+            logprobs = completion_logprobs(entries, ids, self.token_text_of(req), self.token_bytes)
         prompt_lps = None
         if req.prompt_logprobs is not None:
-            prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text)
+            prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text_of(req))
         return CompletionChoice(index=index, text=prefix + c.text, logprobs=logprobs, finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason, prompt_logprobs=prompt_lps)
 
@@ -110,7 +110,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         if req.logprobs is not None:
                             lp = completion_logprobs(with_top(out.prompt_logprobs or [], req.logprobs),
                                                      out.prompt_token_ids,
-                                                     self.token_text, self.token_bytes)
+                                                     self.token_text_of(req), self.token_bytes)
                             offsets[index] = sum(len(t) for t in lp.tokens)
                         yield chunk(index, self._prompt_text(out), lp)
             async for i, out in outputs:
@@ -123,7 +123,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     lp = None
                     if req.logprobs is not None and c.delta_token_ids:
-                        lp = completion_logprobs(c.delta_logprobs or [], c.delta_token_ids, self.token_text,
+                        lp = completion_logprobs(c.delta_logprobs or [], c.delta_token_ids, self.token_text_of(req),
                                                  self.token_bytes, offsets.get(index, 0))
                         offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
                     if not (c.delta_text or c.finish_reason or lp):
