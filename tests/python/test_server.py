@@ -144,12 +144,28 @@ def test_token_filters_min_tokens_logit_bias_and_allowed_token_ids(server):
     body = {"model": MODEL, "prompt": "My favourite fruit is", "temperature": 0, "max_tokens": 4}
     biased = httpx.post(server + "/v1/completions", json={**body, "logit_bias": {str(ids[0]): 100}}, timeout=60)
     assert biased.status_code == 200 and biased.json()["choices"][0]["text"].startswith(" banana")
+    free = httpx.post(server + "/v1/completions", json={**body, "logprobs": 0}, timeout=60).json()["choices"][0]
+    first = httpx.post(server + "/tokenize", json={"prompt": free["logprobs"]["tokens"][0],
+                                                   "add_special_tokens": False}).json()["tokens"][0]
+    forbidden = httpx.post(server + "/v1/completions", json={**body, "logprobs": 0, "logit_bias": {str(first): -100}},
+                           timeout=60).json()["choices"][0]
+    assert forbidden["logprobs"]["tokens"][0] != free["logprobs"]["tokens"][0]  # -100 takes the greedy token away
     allowed = [ids[0], 13, 198]
     only = httpx.post(server + "/v1/completions", json={**body, "allowed_token_ids": allowed, "logprobs": 0},
                       timeout=60).json()
     texts = {httpx.post(server + "/detokenize", json={"tokens": [a]}).json()["prompt"] for a in allowed}
     got = only["choices"][0]["logprobs"]["tokens"]
     assert len(got) == 4 and set(got) <= texts
+    # n = 2 sampled choices, streamed: every token allowed, none before min_tokens ends a choice
+    streamed = {**body, "allowed_token_ids": allowed + [2], "n": 2, "temperature": 1.0, "seed": 5, "max_tokens": 8,
+                "min_tokens": 6, "stop_token_ids": [2], "logprobs": 0, "stream": True}
+    with httpx.stream("POST", server + "/v1/completions", json=streamed, timeout=60) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    for i in range(2):
+        toks = [t for e in chunks for c in e["choices"] if c["index"] == i and c["logprobs"]
+                for t in c["logprobs"]["tokens"]]
+        assert 6 <= len(toks) <= 8 and set(toks) <= texts | {httpx.post(server + "/detokenize", json={
+            "tokens": [2]}).json()["prompt"]}
     for bad in ({"min_tokens": 5, "max_tokens": 4}, {"logit_bias": {"x": 1}}, {"logit_bias": {"1": 101}},
                 {"logit_bias": {"999999": 1}}, {"allowed_token_ids": []}, {"allowed_token_ids": [10**6]}):
         r = httpx.post(server + "/v1/completions", json={**body, **bad}, timeout=60)
