@@ -79,7 +79,7 @@ class EngineArgs:
         "preempting worse running work for better arrivals; memory-aware = arrival order with admission only "
         "while the KV blocks of a prompt and the expected output of it and of every running sequence leave "
         "--watermark of the pool free, and prefill chunks of one block while KV usage is above --high-watermark "
-        "(README: Scheduling policies)", choices=list(_core.SCHEDULING_POLICIES)))
+        "(docs/scheduling.md)", choices=list(_core.SCHEDULING_POLICIES)))
     watermark: float = field(default=_CXX.watermark, metadata=_arg(
         "memory-aware: share of the KV blocks admission leaves free, in [0, 1)", type=float))
     high_watermark: float = field(default=_CXX.high_watermark, metadata=_arg(

@@ -28,7 +28,7 @@ from .step_cost import StepCost, default_path, prediction_error, record_steps
 from .workload import EOS_TOKEN_ID, WORKLOADS, SimRequest, generate
 
 # Used when no calibration file exists: fitted by `calibrate` on the machine the
-# README's numbers come from (see README: Scheduling policies). Calibrate to
+# README's numbers come from (see docs/scheduling.md). Calibrate to
 # simulate another machine.
 FALLBACK_COST = StepCost(a=0.0661656085129109, b=0.0009118062227757252, c=1.025282952739811e-05,
                          source="fallback: SmolLM2-135M bfloat16, 2-core Xeon (AVX-512), 2026-11-30")
