@@ -42,8 +42,7 @@ constexpr int64_t kCacheWriteChunk = 16;
 // the calling thread. A decode step's 32 tokens of 3 x 64 (SmolLM2) go to the
 // pool, whose two threads overlap twice the cache misses of the transposed K
 // stores (one line per element), and whose workers then stay awake for the
-// attention call that follows (measured on a 2-core AVX-512 Xeon, 30 layers'
-// caches of 4096 blocks, polling pool: 2.24 -> 1.80 ms per decode step).
+// attention call that follows (docs/benchmarks.md, "Behind the code").
 constexpr int64_t kCacheWriteMinParallel = 4096;
 
 // Writes elements [i0, i1) of head h of every token of src [T, Hkv, D] at its
@@ -192,9 +191,7 @@ AttentionPlan::AttentionPlan(const TensorArg& query_start_loc, const TensorArg& 
   partial_acc_.resize(n_partial * g_.group() * g_.head_dim);
   partial_ml_.resize(n_partial * g_.group());
   // query-head x key pairs the step scores; below kInlineWork waking the pool's
-  // workers (tens of us on a VM) costs more than the work (a 2-core VM: one
-  // batch-1 decode layer of 9 heads over ~100 keys took ~100 us through the
-  // pool and a few us inline)
+  // workers costs more than the work (docs/benchmarks.md, "Behind the code")
   constexpr int64_t kInlineWork = 16384;
   int64_t work = 0;
   for (const WorkItem& it : items_) work += int64_t{it.j1 - it.j0} * g_.block_size * (it.q1 - it.q0) * (it.g1 - it.g0);

@@ -15,10 +15,8 @@
 // torch.get_num_threads(), or the process-wide pool is rebuilt) only when each
 // of at least two threads gets >= kFusedMinElemsPerTask elements while the
 // pool's workers poll (ThreadPool::set_spin_micros > 0), or >=
-// kFusedMinElemsPerTaskAsleep while they sleep (waking one costs tens of
-// microseconds on a VM: measured on a 2-core AVX-512 Xeon, silu_and_mul over
-// [32, 1536] float32 took ~140 us through the sleeping pool, ~30 us on the
-// calling thread, ~25 us through a polling pool); fewer rows (a decode step)
+// kFusedMinElemsPerTaskAsleep while they sleep (waking one costs more than a
+// decode step's work: docs/benchmarks.md, "Behind the code"); fewer rows (a decode step)
 // run on the calling thread with no hand-off.
 //
 // Every function validates all arguments (and, for rotary_embedding, every

@@ -34,7 +34,7 @@ void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d
 // Numerically the same values as gguf-py's (a zero may change sign). dst holds
 // blocks * qtype_block_bytes(returned type) bytes (34 per block always suffices).
 // Why: their own 5-bit tiles took twice the instructions per weight to expand
-// (measured: Gemma 3 270M's Q5_0 layers 12.3 ms a token, 6-7 ms on Q8_0 tiles).
+// (docs/benchmarks.md, "Behind the code").
 QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst);
 
 }  // namespace cpu

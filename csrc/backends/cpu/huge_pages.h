@@ -6,8 +6,8 @@
 // thousands of 4 KiB pages, more than the TLB holds, and in a virtual machine
 // each TLB miss walks two page tables. Backing the same bytes with 2 MiB pages
 // (Linux madvise(MADV_HUGEPAGE), honoured when
-// /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") cut a
-// float32 SmolLM2 decode phase (32 sequences) by ~15% on a 2-core KVM Xeon.
+// /sys/kernel/mm/transparent_hugepage/enabled is "always" or "madvise") takes
+// those walks away (docs/benchmarks.md, "Behind the code").
 // Elsewhere (other OSes, THP "never") the memory is ordinary.
 #pragma once
 

@@ -146,8 +146,8 @@ constexpr int kRows(int bs) {
   const int rows = vecs >= kAccRegs ? 1 : kAccRegs / vecs;
   return rows < 8 ? rows : 8;
 }
-// How many tiles ahead a tile step prefetches KV blocks (1 measured best: 2
-// and 3 were slower on a 2-core AVX-512 Xeon, decode of 32 x 96 tokens).
+// How many tiles ahead a tile step prefetches KV blocks (1 measured best:
+// docs/benchmarks.md, "Behind the code").
 constexpr int kPrefetchTiles = 1;
 
 constexpr int pow2_floor(int x) { return x >= 2 ? 2 * pow2_floor(x / 2) : 1; }

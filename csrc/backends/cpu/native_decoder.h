@@ -23,8 +23,7 @@
 // the norms' summation order and gelu's last bits. What the step removes is
 // the per-call cost between ops (a Python -> C++ call, argument parsing and a
 // tensor allocation per op), which at one user is as large as the arithmetic
-// (measured on a 2-core EPYC without AVX-512: ~18 of a 38 ms Llama step, ~25
-// of a 61 ms Gemma 3 270M step outside the GEMMs).
+// (docs/benchmarks.md, "Behind the code").
 //
 // float32 only (the gguf path's dtype); the KV store is the CPU backend's
 // layout, [layers, 2, num_blocks, Hkv, block_size * D] float32 (k_cache of a

@@ -756,10 +756,8 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // (direct); more rows first expand three groups once into scratch, 192 k at a
 // time (36 KB), which every tile of 8 rows then streams, keeping its partial
 // sums in out between the K ranges. Why 3 x 8 and not 2 x 12 there: the
-// 12-row tile's row pointers do not fit the general registers and spill (a
-// 2048-row SmolLM2 pass on a 2-core AVX-512 Xeon: 2 x 12, 128 k, 48-row items
-// 344 GFLOP/s; 3 x 8: 360; 96-row items: 373; 192 k: 385; torch's MKL on the
-// dense weights ~400).
+// 12-row tile's row pointers do not fit the general registers and spill
+// (docs/benchmarks.md, "Behind the code").
 
 // The dequantised weights of element e (0..31) of the tile at t for its 16
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
@@ -1295,9 +1293,8 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
 
 // One activation row r x the two row groups g, g + 1: four independent FMA
 // chains (two per group) instead of f32_pass_direct's two, whose 5-cycle FMA
-// latency otherwise bounds a single-row call (a decode step of one sequence:
-// measured on a 2-core EPYC without AVX-512, one pass over SmolLM2's layers at
-// 1 row 12.5 -> 7.4 ms, bench/quant_linear_f32.py). Each output's chain is
+// latency otherwise bounds a single-row call (a decode step of one sequence;
+// docs/benchmarks.md, "Behind the code"). Each output's chain is
 // f32_pass_direct's, k = 0 .. K-1 in order, so the results are the same bits.
 template <TileFormat Q>
 void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
@@ -1375,8 +1372,8 @@ void f32_pass_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t 
 
 // Up to kF32DirectRows rows expand in registers: 2 x 4 accumulators, the
 // scales, the expanded pair and the broadcast take the 16 ymm (with 6 rows
-// GCC spilled accumulators in the unrolled loop: 14.3 ms per decoder pass at
-// 6 rows against 6.7 at 4, 2 threads); more rows go through f32_expand.
+// GCC spilled accumulators in the unrolled loop: docs/benchmarks.md, "Behind the code"); more rows go
+// through f32_expand.
 constexpr int kF32DirectRows = 4;
 
 // ws: nullptr (expand in registers; R <= kF32DirectRows) or f32_expand's weights.

@@ -30,16 +30,14 @@ namespace {
 
 constexpr int kMaxLinearThreads = 1024;
 // Below this many (16-row group x 32-block x 4-row) tile passes a call runs on
-// the calling thread: waking the pool costs more than the work (measured on a
-// 2-core VM: a 1536->576 Q4_1 GEMV takes 25 us inline and 101 us through the
-// pool; the 576->49152 one 1258 us inline, 785 us on two threads).
+// the calling thread: waking the pool costs more than the work (docs/benchmarks.md, "Behind the code").
 constexpr int64_t kInlineTilePasses = 512;
 constexpr int64_t kMaxDim = int64_t{1} << 31;
 constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is large
 // linear_f32: below this many multiply-adds (M x N x K) a call runs on the
-// calling thread: waking sleeping workers costs ~40 us on a 2-core VM (a
-// 576 -> 3072 GEMV, 1.8 M, takes ~65 us on one core), polling ones
-// (ThreadPool::set_spin_micros) a few.
+// calling thread: waking sleeping workers costs about as much as such a call
+// takes on one core, polling ones (ThreadPool::set_spin_micros) little
+// (docs/benchmarks.md, "Behind the code").
 constexpr int64_t kInlineF32Macs = int64_t{1} << 21;
 constexpr int64_t kInlineF32MacsSpinning = int64_t{1} << 17;
 // linear_f32: activation rows per work item when M is large (a multiple of kF32Rows; 48 measured 3% slower
@@ -504,8 +502,8 @@ void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const
   }
   // bfloat16: widened exactly into float32 rows, the float32 results rounded once (to nearest even, as
   // torch's conversion), on our own pool: O(M (K + N)) beside the GEMM's O(M N K), and no library call
-  // (torch's parallel conversion leaves OpenMP threads spinning on the cores the pool needs: measured
-  // 576 -> 3072 at 32 rows, 1.07 ms against 0.41)
+  // (torch's parallel conversion leaves OpenMP threads spinning on the cores the pool needs:
+  // docs/benchmarks.md, "Behind the code")
   thread_local std::vector<float> xf, of;
   xf.resize(static_cast<size_t>(m * k_));
   of.resize(static_cast<size_t>(m * n_));

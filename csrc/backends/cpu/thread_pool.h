@@ -6,11 +6,9 @@
 // set_spin_micros(us > 0) a worker that finished, and a caller waiting for the
 // workers, first poll for that long (a pause instruction per poll) before they
 // sleep: when our kernels make most of a step's calls back to back (the
-// quantised decode makes ~150), waking a sleeping thread costs tens of
-// microseconds on a VM (a batch-1 Q4_1 GEMV of 25 us took 101 us through a
-// sleeping pool). When torch's GEMMs run between our calls, spinning takes
-// the cores from OpenMP's threads (measured: the attention of a 32-sequence
-// float32 decode went from ~1 to ~26 ms per step), so it is off by default and
+// quantised decode makes ~150), waking a sleeping thread costs more than a
+// small call's work. When torch's GEMMs run between our calls, spinning takes
+// the cores from OpenMP's threads (docs/benchmarks.md, "Behind the code"), so it is off by default and
 // the engine turns it on only for the quantised path (OpenMP's blocktime is
 // the same idea).
 #pragma once

@@ -45,12 +45,11 @@ FORCED_MAX_ROWS = UNBOUNDED_ROWS  # --linear-impl gguf: no measurement, the bloc
 # How much faster (ratio of ms per pass) the dense path must measure at a row count for the blocks to give
 # that count up. A dense layer holds a float32 copy of the weights, 4-7x the file's bytes (Gemma 3 270M:
 # 1.9 GiB beside a 241 MiB file); a few percent at prefill sizes is not worth that, nor worth calling two
-# paths' summation orders one model's. Measured on a 2-core AVX-512 Xeon: Gemma 3's layers at 128 rows,
-# blocks 272 ms, dense 252 (1.08x): the blocks keep them.
+# paths' summation orders one model's (docs/benchmarks.md, "Behind the code").
 DENSE_MIN_GAIN = 1.25
 # The blocks kernels' revision, part of the tuner cache's key: raised whenever their speed changes (the
 # package version does not change between commits), so a measurement of the older kernels is taken again.
-# 2: linear_f32's scratch path runs tiles of 3 row groups x 8 rows (2026-12-03).
+# 2: linear_f32's scratch path runs tiles of 3 row groups x 8 rows.
 BLOCKS_KERNEL_REVISION = 2
 
 

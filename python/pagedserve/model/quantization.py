@@ -39,7 +39,7 @@ QUANTIZATIONS = ("none", "q4", "int8")
 QTYPE = {"q4": "q4_1", "int8": "q8_0"}
 # Calls of at least this many rows (prefill chunks) multiply the weights de-quantised to bfloat16 with oneDNN's
 # bfloat16 GEMM where the CPU has native bfloat16 arithmetic: there the integer kernel is compute-bound and slower
-# (this 2-core AVX-512-BF16 machine, 576 -> 1536 at 128 rows: 1.03 ms vs 0.39 ms for torch's bfloat16 GEMM)
+# (docs/benchmarks.md, "Behind the code")
 DENSE_MIN_ROWS = 256
 
 

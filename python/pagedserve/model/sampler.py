@@ -188,9 +188,9 @@ class Sampler:
         if len(rows) != logits.shape[0]:
             raise ValueError(f"rows must match the logits rows: {len(rows)} rows, logits {tuple(logits.shape)}")
         # the first maximum's index per row, NaN counting as the maximum: torch.argmax's result, computed by
-        # numpy on this thread (measured on [32, 49152] float32, 2-core AVX-512 Xeon: 0.30 ms, torch.argmax
-        # 1.19 ms); it also keeps torch's OpenMP threads asleep, where their spinning after a parallel op
-        # would take a core from the next step's kernels
+        # numpy on this thread (faster than torch.argmax's parallel one at a step's size: docs/benchmarks.md, "Behind the code"); it also
+        # keeps torch's OpenMP threads asleep, where their spinning after a parallel op would take a core
+        # from the next step's kernels
         argmax = logits.float().numpy().argmax(axis=1).tolist()
         tokens: list[int] = []
         row_tokens: list[list[int]] = []
