@@ -75,7 +75,8 @@ def test_the_server_refuses_by_field_and_keeps_serving(tiny_chat_dir_limits):
         def post(extra):
             return httpx.post(base + "/v1/completions", json={**body, **extra}, timeout=60)
 
-        r = post({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": IGNORED["not"][0]}}})
+        schema = IGNORED["not"][0]
+        r = post({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}})
         assert r.status_code == 400 and r.json()["error"]["param"] == "response_format" and "`not`" in r.text
         r = post({"guided_choice": [str(i) for i in range(MAX_CHOICES + 1)]})
         assert r.status_code == 400 and r.json()["error"]["param"] == "guided_choice" and "too many" in r.text

@@ -21,6 +21,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine
+from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from .protocol import (
@@ -39,6 +40,7 @@ from .protocol import (
 )
 from .serving_chat import OpenAIServingChat, template_source
 from .serving_completion import OpenAIServingCompletion
+from .serving_messages import AnthropicServingMessages
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 STATIC_DIR = Path(__file__).parent / "static"  # the web chat page (plain HTML/CSS/JS)
@@ -99,6 +101,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: every response carries X-Request-Id
     core = engine.engine
     completion, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
+    messages = AnthropicServingMessages(chat)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -134,6 +137,15 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
               responses=_answers(ChatCompletionResponse, ChatCompletionChunk))
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
+
+    @app.post("/v1/messages", response_model=None, responses={200: {"model": MessageResponse}})
+    async def anthropic_messages(req: MessagesRequest, raw: Request):
+        """Anthropic's Messages API over the chat pipeline (serving_messages.py)."""
+        return await messages.create(req, raw)
+
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
+    async def anthropic_count_tokens(req: CountTokensRequest):
+        return await messages.count_tokens(req)
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest):

@@ -21,7 +21,8 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 class APIKeyMiddleware:
-    """Requires `Authorization: Bearer <api_key>` on HTTP paths under protected_prefix.
+    """Requires `Authorization: Bearer <api_key>` (or Anthropic's `x-api-key:
+    <api_key>`) on HTTP paths under protected_prefix.
 
     Anything else (/health, /metrics, /version, /tokenize, CORS preflight OPTIONS
     requests) stays open. Does nothing when api_key is None or "" (as vLLM). A missing or wrong
@@ -45,13 +46,16 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         scheme, _, token = (_header(scope, b"authorization") or b"").partition(b" ")
-        if scheme.lower() == b"bearer" and secrets.compare_digest(token.strip(), self.api_key):
+        if scheme.lower() != b"bearer":
+            token = b""
+        token = token.strip() or (_header(scope, b"x-api-key") or b"").strip()
+        if token and secrets.compare_digest(token, self.api_key):
             await self.app(scope, receive, send)
             return
         message = ("Incorrect API key provided." if token else
                    "You didn't provide an API key. Pass it as 'Authorization: Bearer <key>'.")
         response = error_response(401, message, "authentication_error", code="invalid_api_key",
-                                  headers={"WWW-Authenticate": "Bearer"})
+                                  headers={"WWW-Authenticate": "Bearer"}, path=scope["path"])
         await response(scope, receive, send)
 
 

@@ -168,6 +168,30 @@ class OpenAIServingChat(OpenAIServing):
         return extra
 
     async def create(self, req: ChatCompletionRequest, raw: Request):
+        """The OpenAI answer: a ChatCompletionResponse, or Server-Sent Events of
+        ChatCompletionChunks ending in [DONE]."""
+        answer = await self.respond(req, raw)
+        if isinstance(answer, ChatCompletionResponse):
+            return answer
+        return StreamingResponse(self._sse(req, answer), media_type="text/event-stream")
+
+    @staticmethod
+    async def _sse(req: ChatCompletionRequest, chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[str]:
+        exclude = None if req.include_usage else {"usage"}
+        try:
+            async for chunk in chunks:
+                yield sse(chunk, exclude)
+            yield SSE_DONE
+        finally:
+            await chunks.aclose()
+
+    async def respond(self, req: ChatCompletionRequest, raw: Request
+                      ) -> ChatCompletionResponse | AsyncIterator[ChatCompletionChunk]:
+        """Runs a chat request: the whole ChatCompletionResponse, or (stream)
+        an iterator of its ChatCompletionChunks, the usage chunk last with
+        include_usage; closing it aborts the request. What other APIs
+        (/v1/messages, /v1/responses) translate from. Raises APIError (4xx),
+        ClientDisconnected."""
         self.check_model(req.model)
         self.reject_unsupported(req)
         if req.top_logprobs is not None and not req.logprobs:
@@ -211,15 +235,15 @@ class OpenAIServingChat(OpenAIServing):
             def response() -> ChatCompletionResponse:
                 prompt_lps = None
                 if req.prompt_logprobs is not None:
-                    prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs, self.token_text_of(req))
+                    prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs,
+                                                 self.token_text_of(req))
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=self.usage(out, thinks),
                                               choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps)
 
             slow = req.logprobs or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()
         firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-        return StreamingResponse(self._stream(req, plan, self.thinks(ids), request_id, firsts[0], outputs),
-                                 media_type="text/event-stream")
+        return self._stream(req, plan, self.thinks(ids), request_id, firsts[0], outputs)
 
     @staticmethod
     def echoed(req: ChatCompletionRequest) -> str:
@@ -246,15 +270,16 @@ class OpenAIServingChat(OpenAIServing):
             reasoning_token_count(thinks, c.token_ids, self.token_bytes) for c in out.outputs))
 
     async def _stream(self, req: ChatCompletionRequest, plan: ToolPlan, thinks: ReasoningParser | None,
-                      request_id: str, first: RequestOutput, outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
-        exclude = None if req.include_usage else {"usage"}
+                      request_id: str, first: RequestOutput,
+                      outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[ChatCompletionChunk]:
         last = first  # the latest output: what continuous usage counts
 
-        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None, stop_reason=None) -> str:
-            return sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
+        def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None,
+                  stop_reason=None) -> ChatCompletionChunk:
+            return ChatCompletionChunk(id=request_id, model=self.model_name, choices=[
                 ChatChunkChoice(index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
                                 stop_reason=stop_reason)],
-                usage=self.usage(last, thinks) if req.continuous_usage else None), exclude)
+                usage=self.usage(last, thinks) if req.continuous_usage else None)
 
         try:
             for i in range(req.n):
@@ -289,8 +314,7 @@ class OpenAIServingChat(OpenAIServing):
                             yield chunk(c.index, delta)
                         yield chunk(c.index, {}, reason, stop_reason=c.stop_reason)
             if req.include_usage:
-                yield sse(ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
-                                              usage=self.usage(last, thinks)))
-            yield SSE_DONE
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
+                                          usage=self.usage(last, thinks))
         finally:
             await outputs.aclose()
