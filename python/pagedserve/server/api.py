@@ -38,9 +38,11 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
+from .responses_protocol import ResponseObject, ResponsesRequest
 from .serving_chat import OpenAIServingChat, template_source
 from .serving_completion import OpenAIServingCompletion
 from .serving_messages import AnthropicServingMessages
+from .serving_responses import OpenAIServingResponses
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 STATIC_DIR = Path(__file__).parent / "static"  # the web chat page (plain HTML/CSS/JS)
@@ -101,7 +103,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     app.add_middleware(RequestIdMiddleware)  # last added = outermost: every response carries X-Request-Id
     core = engine.engine
     completion, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
-    messages = AnthropicServingMessages(chat)
+    messages, responses = AnthropicServingMessages(chat), OpenAIServingResponses(chat)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -142,6 +144,11 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def anthropic_messages(req: MessagesRequest, raw: Request):
         """Anthropic's Messages API over the chat pipeline (serving_messages.py)."""
         return await messages.create(req, raw)
+
+    @app.post("/v1/responses", response_model=None, responses={200: {"model": ResponseObject}, **_ERRORS})
+    async def openai_responses(req: ResponsesRequest, raw: Request):
+        """OpenAI's Responses API, stateless, over the chat pipeline (serving_responses.py)."""
+        return await responses.create(req, raw)
 
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
     async def anthropic_count_tokens(req: CountTokensRequest):
