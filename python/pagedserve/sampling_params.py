@@ -120,6 +120,9 @@ class SamplingParams:
             wherever the output so far ends with the tokens before it.
         bad_words_token_ids: the token-id sequences of bad_words (set by the
             engine from its tokenizer; may be given directly instead).
+        reasoning_ended: with a reasoning parser, whether the prompt itself
+            closed the reasoning (the server decides it from what the chat
+            template added); None: the engine looks at the prompt's last tokens.
     Raises:
         ValueError from __post_init__ on an out-of-range value.
     """
@@ -147,6 +150,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] = field(default_factory=list)
     bad_words_token_ids: list[list[int]] | None = None
+    reasoning_ended: bool | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -166,3 +166,17 @@ def test_reasoning_end_to_end_streamed_equals_whole_and_grammar_binds_only_the_a
            "chat_template_kwargs": {"enable_thinking": False}}
     m = httpx.post(base + "/v1/chat/completions", json=off, timeout=60).json()["choices"][0]["message"]
     assert m["reasoning_content"] is None and re.fullmatch("[12]+", m["content"]), m
+    # a </think> in the user's own text does not turn the reasoning off: only what the template adds counts
+    tagged = {**body, "seed": 1, "messages": [{"role": "user", "content": "What does </think> mean?"}]}
+    raw_split = httpx.post(base + "/v1/chat/completions", json=tagged, timeout=60).json()["choices"][0]["message"]
+    tail = httpx.post(base + "/tokenize", json={"messages": tagged["messages"]}).json()["tokens"]
+    text = httpx.post(base + "/v1/completions", json={"prompt": tail, "max_tokens": 24, "temperature": 1.5,
+                                                      "allowed_token_ids": allowed + eos, "seed": 1}).json()
+    assert (raw_split["reasoning_content"], raw_split["content"]) == PARSERS["deepseek_r1"].split(
+        text["choices"][0]["text"])
+    # vLLM's echo of a final assistant message is split with the output
+    cont = {**body, "seed": 2, "echo": True, "add_generation_prompt": False, "continue_final_message": True,
+            "messages": messages + [{"role": "assistant", "content": "<think>Let me see"}]}
+    e = httpx.post(base + "/v1/chat/completions", json=cont, timeout=60).json()["choices"][0]["message"]
+    assert e["reasoning_content"].startswith("Let me see")  # the echoed "<think>Let me see" is reasoning
+    assert _stream(base, cont)[:2] == (e["reasoning_content"], e["content"] or "")

@@ -18,6 +18,19 @@ def post(base, path, body):
     return httpx.post(base + path, json=body, timeout=60)
 
 
+def test_text_offsets_count_characters_of_the_text(server):
+    body = {"model": MODEL, "prompt": "Say 日本語 and héllo:", "max_tokens": 8, "temperature": 0, "logprobs": 0,
+            "echo": True}
+    plain = post(server, "/v1/completions", body).json()["choices"][0]
+    ids = post(server, "/v1/completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    offsets, text = plain["logprobs"]["text_offset"], plain["text"]
+    assert ids["logprobs"]["text_offset"] == offsets  # not the length of "token_id:..." strings
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for off, tok in zip(offsets, plain["logprobs"]["tokens"]):
+        if "\ufffd" not in tok:  # a token that is whole characters starts where its text is
+            assert text[off:].startswith(tok), (off, tok)
+
+
 def test_return_tokens_as_token_ids(server):
     body = {"model": MODEL, "prompt": "Hello there", "max_tokens": 3, "temperature": 0, "logprobs": 1,
             "echo": True, "prompt_logprobs": 1}
@@ -69,6 +82,16 @@ def test_chat_echo_prepends_the_final_assistant_message(server):
             == post(server, "/v1/chat/completions", user_last).json()["choices"][0]["message"])
 
 
+def test_tools_are_checked_on_tokenize_and_names_follow_openais_rule(server):
+    messages = [{"role": "user", "content": "hi"}]
+    r = post(server, "/tokenize", {"messages": messages, "tools": [{"type": "function"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0"
+    bad_name = [{"type": "function", "function": {"name": "a b", "parameters": {}}}]
+    r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages, "tools": bad_name,
+                                              "tool_choice": "none"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools.0.function.name"
+
+
 def test_a_request_chat_template_needs_the_trust_flag(server):
     r = post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
                                               "chat_template": "{{ messages[0]['content'] }}"})
@@ -105,3 +128,24 @@ def test_a_trusted_request_chat_template_renders_the_prompt(trusting_server):
     r = post(trusting_server, "/v1/chat/completions", {"messages": messages, "chat_template": template,
                                                        "chat_template_kwargs": {"unused": 1}, "max_tokens": 2})
     assert r.status_code == 400 and "unused" in r.text  # variables are checked against the request's template
+
+
+@pytest.mark.parametrize("template,needle", [
+    ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}x", "longer than"),
+    ("{{ 'x' * 100000000 }}", "operator"),
+    ("{{ 1/0 }}", "ZeroDivisionError"),
+    ("{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}", "failed"),
+    ("{% for i in range(100000000) %}x{% endfor %}", "failed"),
+    ("{% for m in messages %}{{ m.content }}{% endfor %}" + "{% for i in range(60000) %}abcdef{% endfor %}",
+     "more than the messages"),
+])
+def test_a_request_template_that_runs_away_is_a_400(trusting_server, template, needle):
+    import time
+
+    messages = [{"role": "user", "content": "hi"}]
+    for path, extra in (("/v1/chat/completions", {"max_tokens": 2}), ("/tokenize", {})):
+        t = time.monotonic()
+        r = post(trusting_server, path, {"messages": messages, "chat_template": template, **extra})
+        assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+        assert time.monotonic() - t < 30
+    assert post(trusting_server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2}).status_code == 200

@@ -262,3 +262,11 @@ def test_bad_words_mask_a_last_token_only_after_the_tokens_before_it():
         SamplingParams(bad_words_token_ids=[[]])
     with pytest.raises(ValueError):
         SamplingParams(bad_words=["  "])
+
+
+def test_filters_that_leave_no_token_end_the_choice_as_at_eos():
+    x = torch.arange(8, dtype=torch.float32)
+    p = SamplingParams(temperature=0, allowed_token_ids=[5], bad_words_token_ids=[[5]])
+    assert Sampler([7])(x[None], [SamplingRow(p, [None], [], [[]])]).token_ids == [7]
+    sampled = SamplingParams(temperature=1.0, seed=1, allowed_token_ids=[5], bad_words_token_ids=[[5]])
+    assert Sampler([7])(x[None], [SamplingRow(sampled, [torch.Generator().manual_seed(1)], [], [[]])]).token_ids == [7]

@@ -132,6 +132,15 @@ def test_scoring_requests_that_cannot_be_answered_are_400s(server, path, extra, 
     assert param in (err["param"] or "") or param in err["message"]
 
 
+def test_scoring_a_prompt_that_fills_the_context_says_why_not(server):
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [504] * 2048, "max_tokens": 0,
+                                         "prompt_logprobs": 0})
+    assert r.status_code == 400 and "one token of the context free" in r.json()["error"]["message"]
+    r = post(server, "/v1/completions", {"model": MODEL, "prompt": [504] * 2048, "max_tokens": 0,
+                                         "prompt_logprobs": 0, "truncate_prompt_tokens": 2047})
+    assert r.status_code == 200 and len(r.json()["choices"][0]["prompt_logprobs"]) == 2047
+
+
 def test_tokenizer_info_names_the_special_tokens(server):
     info = httpx.get(server + "/tokenizer_info", timeout=30).json()
     assert info["eos_token"] and tokenize(server, info["eos_token"])[-1] in range(info["vocab_size"])

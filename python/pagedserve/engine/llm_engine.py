@@ -302,7 +302,9 @@ class LLMEngine:
             if self.reasoning_parser is not None:  # the constraint applies to the answer, after the thinking
                 from ..structured_output.reasoning_gate import ReasoningGate
 
-                ended = self.reasoning_ended_in_prompt(ids)
+                ended = params.reasoning_ended
+                if ended is None:
+                    ended = self.reasoning_ended_in_prompt(ids)
                 grammars = [ReasoningGate(g, self.reasoning_parser, self.token_bytes, ended) for g in grammars]
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)

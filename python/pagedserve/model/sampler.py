@@ -170,7 +170,9 @@ class Sampler:
     tokens whatever else is in the batch). Rows with penalties, token filters or
     a grammar: the same per draw, on that choice's logits masked by its grammar,
     filtered (apply_token_filters), then penalised with its own output (vLLM's
-    order). Unconstrained rows never wait for a grammar."""
+    order); where the filters leave no token at all the draw is the first EOS
+    id, which ends the choice ("stop"). Unconstrained rows never wait for a
+    grammar."""
 
     def __init__(self, eos_token_ids: Sequence[int] = ()) -> None:
         """eos_token_ids: the model's end-of-sequence ids (min_tokens masks them)."""
@@ -213,6 +215,11 @@ class Sampler:
                         x = apply_token_filters(x, p, out, self.eos_token_ids)
                     if p.has_penalties:
                         x = apply_penalties(x, prompt_mask, out, p)
+                    if p.has_token_filters and self.eos_token_ids and bool(torch.isneginf(x).all()):
+                        # the filters leave no token (e.g. allowed_token_ids all bad words): the choice ends
+                        # as at EOS rather than on a token the filters forbid
+                        drawn.append(self.eos_token_ids[0])
+                        continue
                     best = int(torch.argmax(x))
                     drawn += [best] if p.greedy else draw(x, p, [g], best)
             tokens += drawn

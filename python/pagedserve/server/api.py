@@ -43,6 +43,7 @@ from .serving_chat import OpenAIServingChat, template_source
 from .serving_completion import OpenAIServingCompletion
 from .serving_messages import AnthropicServingMessages
 from .serving_responses import OpenAIServingResponses
+from .tool_calls import check_tools
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 STATIC_DIR = Path(__file__).parent / "static"  # the web chat page (plain HTML/CSS/JS)
@@ -165,7 +166,8 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
         def encode() -> list[int]:
             if req.messages is not None:
-                return chat.render(req.messages, req, bool(req.add_special_tokens), req.tools or None)
+                return chat.render(req.messages, req, bool(req.add_special_tokens),
+                                   check_tools(req.tools) if req.tools else None)
             try:
                 return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids
             except (ValueError, TypeError) as e:

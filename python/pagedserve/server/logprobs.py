@@ -11,6 +11,7 @@ parallel to `tokens` (an extension; OpenAI's legacy object has none)."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Callable, Sequence
 
 from ..engine.outputs import Logprob
@@ -20,21 +21,41 @@ TokenText = Callable[[int], str]
 TokenBytes = Callable[[int], bytes]
 
 
+class TextOffsets:
+    """Where each token starts in a choice's text, in characters: the tokens'
+    raw bytes go through an incremental UTF-8 decoder, so a token that ends
+    inside a character moves the offset only once the character is complete
+    (its own string is U+FFFD, and with return_tokens_as_token_ids not text at
+    all, so its length cannot be the step)."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def advance(self, piece: bytes) -> int:
+        """The offset where this token starts; then moves past its bytes."""
+        start = self.chars
+        self.chars += len(self._decoder.decode(piece))
+        return start
+
+
 def completion_logprobs(entries: Sequence[Logprob | None], token_ids: Sequence[int], token_text: TokenText,
-                        token_bytes: TokenBytes, text_offset: int = 0) -> CompletionLogprobs:
+                        token_bytes: TokenBytes, offsets: TextOffsets | None = None) -> CompletionLogprobs:
     """Completions `logprobs` for tokens token_ids; entries[i] is token i's
     Logprob, None where nothing predicts it (the first prompt token with echo).
 
-    text_offset: character offset of the first token in the choice's text.
-    top_logprobs holds the top alternatives plus the token itself (so up to
-    logprobs + 1 entries, as OpenAI and vLLM)."""
+    offsets: the choice's TextOffsets so far (a stream passes the same one on;
+    None: these tokens start the text). top_logprobs holds the top
+    alternatives plus the token itself (so up to logprobs + 1 entries, as
+    OpenAI and vLLM)."""
     out = CompletionLogprobs()
+    offsets = offsets if offsets is not None else TextOffsets()
     for tok, entry in zip(token_ids, entries):
         text = token_text(tok)
+        piece = token_bytes(tok)
         out.tokens.append(text)
-        out.bytes.append(list(token_bytes(tok)))
-        out.text_offset.append(text_offset)
-        text_offset += len(text)
+        out.bytes.append(list(piece))
+        out.text_offset.append(offsets.advance(piece))
         if entry is None:
             out.token_logprobs.append(None)
             out.top_logprobs.append(None)

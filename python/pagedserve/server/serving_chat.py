@@ -5,6 +5,7 @@ logprobs, structured outputs, tool calls, streaming."""
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -31,6 +32,7 @@ from .protocol import (
 )
 from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
+from .template_guard import check_request_template, render_bounded
 from .tool_calls import TEMPLATE_HINT, ToolCallStreamer, ToolPlan, finish_reason, parse_output, plan_tools
 from .tool_parsers import choose_tool_parser
 
@@ -111,18 +113,61 @@ class OpenAIServingChat(OpenAIServing):
             if messages[-1].role != "assistant" or not messages[-1].text():
                 raise APIError(400, "`continue_final_message` needs a final assistant message with text to continue",
                                param="continue_final_message")
-        extra = self._template_extras(source, template)
+        text = self.render_text(messages, template, tools)
         try:
-            text = tok.apply_chat_template(
-                [m.template_dict() for m in messages], tools=tools, documents=template.documents or None,
-                tokenize=False, chat_template=template.chat_template or None,
-                add_generation_prompt=template.add_generation_prompt,
-                continue_final_message=template.continue_final_message, **extra)
             return tok(text, add_special_tokens=add_special_tokens).input_ids
+        except (ValueError, TypeError) as e:  # e.g. text that is not valid Unicode (a lone surrogate)
+            raise APIError(400, f"cannot render the messages: {e}", param="messages") from e
+
+    def render_text(self, messages: list[ChatMessage], template: ChatTemplateFields, tools: list[dict] | None,
+                    add_generation_prompt: bool | None = None) -> str:
+        """The chat template's text for the messages (render's, before
+        tokenizing; add_generation_prompt None: the request's). A request's own
+        template is rendered within template_guard's bounds. Raises APIError
+        400 for anything the template raises."""
+        tok, source = self.core.tokenizer, self.template_of(template)
+        extra = self._template_extras(source, template)
+        dicts = [m.template_dict() for m in messages]
+
+        def draw() -> str:
+            return tok.apply_chat_template(
+                dicts, tools=tools, documents=template.documents or None, tokenize=False,
+                chat_template=template.chat_template or None,
+                add_generation_prompt=(template.add_generation_prompt if add_generation_prompt is None
+                                       else add_generation_prompt),
+                continue_final_message=template.continue_final_message, **extra)
+
+        try:
+            if not template.chat_template:
+                return draw()
+            check_request_template(template.chat_template)
+            return render_bounded(draw, len(json.dumps(dicts, default=str)) + len(json.dumps(tools or [])))
+        except APIError:
+            raise
         except (ValueError, TypeError) as e:  # e.g. text that is not valid Unicode (a lone surrogate)
             raise APIError(400, f"cannot render the messages: {e}", param="messages") from e
         except jinja2.TemplateError as e:  # the template's own raise_exception (e.g. roles it refuses)
             raise APIError(400, f"the chat template refused the messages: {e}", param="messages") from e
+        except Exception as e:  # what a template's own code raises (1/0, runaway recursion, a range too big)
+            raise APIError(400, f"the chat template failed: {type(e).__name__}: {e}",
+                           param="chat_template" if template.chat_template else "messages") from e
+
+    def reasoning_closed(self, messages: list[ChatMessage], template: ChatTemplateFields,
+                         tools: list[dict] | None) -> bool:
+        """With a reasoning parser: whether the prompt itself closed the
+        reasoning, so the output is all answer. Only what the template adds
+        after the messages counts (the generation prompt, e.g. an empty
+        <think></think> when thinking is off), or, continuing a final assistant
+        message, that message's own text; a tag in a user's text does not."""
+        parser = self.core.reasoning_parser
+        if parser is None:
+            return False
+        if template.continue_final_message:
+            return parser.ended_in_prompt(messages[-1].text())
+        if not template.add_generation_prompt:
+            return False
+        whole, head = (self.render_text(messages, template, tools, flag) for flag in (True, False))
+        return whole.startswith(head) and parser.ended_in_prompt(whole[len(head):])
 
     def _logprobs(self, entries, req: ChatCompletionRequest) -> ChatLogprobs:
         return chat_logprobs(entries, self.token_text_of(req), self.token_bytes)
@@ -216,17 +261,19 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(req, req.max_completion_tokens or req.max_tokens, len(ids), logprobs=logprobs,
                                       prompt_logprobs=req.prompt_logprobs,
                                       structured_outputs=constraint[0] if constraint else None)
+        thinks = self.core.reasoning_parser
+        if thinks is not None:  # the template may have closed the reasoning already (thinking turned off)
+            params.reasoning_ended = await run_in_threadpool(self.reasoning_closed, req.messages, req, plan.tools)
+            thinks = None if params.reasoning_ended else thinks
         request_id = response_id(raw, "chatcmpl")
         if not req.stream:
             (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-
-            thinks, echo = self.thinks(ids), self.echoed(req)
+            echo = self.echoed(req)
 
             def choice(c) -> ChatChoice:
-                reasoning, answer = thinks.split(c.text) if thinks is not None else (None, c.text)
+                text = echo + c.text  # the echoed text is split and parsed with the output
+                reasoning, answer = thinks.split(text) if thinks is not None else (None, text)
                 content, calls = parse_output(plan, answer) if answer is not None else (None, [])
-                if echo:
-                    content = echo + (content or "")
                 return ChatChoice(index=c.index, message=ChatResponseMessage(content=content, tool_calls=calls,
                                                                              reasoning_content=reasoning),
                                   logprobs=self._logprobs(c.logprobs, req) if req.logprobs else None,
@@ -243,7 +290,7 @@ class OpenAIServingChat(OpenAIServing):
             slow = req.logprobs or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()
         firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
-        return self._stream(req, plan, self.thinks(ids), request_id, firsts[0], outputs)
+        return self._stream(req, plan, thinks, request_id, firsts[0], outputs)
 
     @staticmethod
     def echoed(req: ChatCompletionRequest) -> str:
@@ -251,15 +298,6 @@ class OpenAIServingChat(OpenAIServing):
         message's when it is the assistant's (continue_final_message), else ""."""
         last = req.messages[-1]
         return last.text() if req.echo and last.role == "assistant" else ""
-
-    def thinks(self, prompt_token_ids: list[int]) -> ReasoningParser | None:
-        """The reasoning parser that splits this request's outputs: the
-        server's --reasoning-parser, unless there is none or the prompt already
-        closed the reasoning (thinking turned off: the output is all answer)."""
-        parser = self.core.reasoning_parser
-        if parser is None or self.core.reasoning_ended_in_prompt(prompt_token_ids):
-            return None
-        return parser
 
     def usage(self, out: RequestOutput, thinks: ReasoningParser | None):
         """usage_of(out), with completion_tokens_details.reasoning_tokens under a
@@ -281,28 +319,33 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=stop_reason)],
                 usage=self.usage(last, thinks) if req.continuous_usage else None)
 
+        streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
+        reasoners = [ReasoningStreamer(thinks) for _ in range(req.n)] if thinks is not None else None
+
+        def pieces(index: int, text: str, finished: bool) -> list[dict]:
+            """The deltas of new text: the thinking first, the tool-call streamer sees only the answer."""
+            deltas = []
+            if reasoners is not None:
+                thought, text = reasoners[index].feed(text)
+                if finished:  # what was held back while it could still become a tag
+                    more, rest = reasoners[index].finish()
+                    thought, text = thought + more, text + rest
+                deltas = [{"reasoning_content": thought}] if thought else []
+            return deltas + streamers[index].feed(text)
+
         try:
             for i in range(req.n):
                 yield chunk(i, {"role": "assistant", "content": ""})
-                if echo := self.echoed(req):
-                    yield chunk(i, {"content": echo})
+                for delta in pieces(i, self.echoed(req), False):  # vLLM's echo, split as the output is
+                    yield chunk(i, delta)
             done: set[int] = set()
-            streamers = [ToolCallStreamer(plan) for _ in range(req.n)]
-            reasoners = [ReasoningStreamer(thinks) for _ in range(req.n)] if thinks is not None else None
             async for _, out in outputs:
                 last = out
                 for c in out.outputs:
                     if c.index in done:
                         continue
                     lp = self._logprobs(c.delta_logprobs, req) if req.logprobs and c.delta_token_ids else None
-                    text, deltas = c.delta_text, []
-                    if reasoners is not None:  # the thinking first; the tool-call streamer sees only the answer
-                        thought, text = reasoners[c.index].feed(text)
-                        if c.finish_reason:  # what was held back while it could still become a tag
-                            more, rest = reasoners[c.index].finish()
-                            thought, text = thought + more, text + rest
-                        deltas = [{"reasoning_content": thought}] if thought else []
-                    deltas += streamers[c.index].feed(text)
+                    deltas = pieces(c.index, c.delta_text, bool(c.finish_reason))
                     if lp and not deltas:  # the logprobs of tokens whose text is held back
                         deltas = [{"content": ""}] if plan.mode == "none" else [{}]
                     for k, delta in enumerate(deltas):

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .errors import APIError
-from .logprobs import completion_logprobs, prompt_logprobs, with_top
+from .logprobs import TextOffsets, completion_logprobs, prompt_logprobs, with_top
 from .protocol import CompletionChoice, CompletionRequest, CompletionResponse
 from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .scoring import engine_max_tokens, without_output
@@ -44,6 +44,14 @@ class OpenAIServingCompletion(OpenAIServing):
         # thread: the event loop keeps streaming other requests and noticing disconnects
         prompts = await run_in_threadpool(self.prompts, req.prompt, req.add_special_tokens)
         prompts = [self.truncate(req, p) for p in prompts]
+        if req.max_tokens == 0:
+            for i, p in enumerate(prompts):
+                if len(p) >= self.core.max_model_len:
+                    raise APIError(400, f"scoring a prompt of {len(p)} tokens needs one token of the context free "
+                                        f"(max_model_len {self.core.max_model_len}): the engine samples a token "
+                                        "after the prompt and drops it; use truncate_prompt_tokens "
+                                        f"{self.core.max_model_len - 1} or a shorter prompt",
+                                   param="prompt" if len(prompts) == 1 else f"prompt[{i}]")
         constraint = constraint_of(req)
         if constraint is not None:
             await check_compiles(self.core, *constraint)
@@ -92,7 +100,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, request_id: str, firsts: list[RequestOutput],
                       outputs: AsyncIterator[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
         exclude = None if req.include_usage else {"usage"}
-        offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        offsets: dict[int, TextOffsets] = {}  # choice index -> where its next token starts
         done: set[int] = set()
         last = [without_output(o) for o in firsts] if req.max_tokens == 0 else list(firsts)
 
@@ -108,10 +116,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         index = i * req.n + c.index
                         lp = None
                         if req.logprobs is not None:
+                            offsets[index] = TextOffsets()
                             lp = completion_logprobs(with_top(out.prompt_logprobs or [], req.logprobs),
-                                                     out.prompt_token_ids,
-                                                     self.token_text_of(req), self.token_bytes)
-                            offsets[index] = sum(len(t) for t in lp.tokens)
+                                                     out.prompt_token_ids, self.token_text_of(req), self.token_bytes,
+                                                     offsets[index])
                         yield chunk(index, self._prompt_text(out), lp)
             async for i, out in outputs:
                 if req.max_tokens == 0:
@@ -124,8 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
                     lp = None
                     if req.logprobs is not None and c.delta_token_ids:
                         lp = completion_logprobs(c.delta_logprobs or [], c.delta_token_ids, self.token_text_of(req),
-                                                 self.token_bytes, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + sum(len(t) for t in lp.tokens)
+                                                 self.token_bytes, offsets.setdefault(index, TextOffsets()))
                     if not (c.delta_text or c.finish_reason or lp):
                         continue
                     if c.finish_reason:

@@ -17,6 +17,7 @@ with tools (other than tool_choice "none") is then a 400 that says so.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from ..sampling_params import StructuredOutputsParams
@@ -53,7 +54,10 @@ class ToolPlan:
     parser: ToolParser = PARSERS["hermes"]
 
 
-def _check_tools(tools: list) -> list[dict]:
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def check_tools(tools: list) -> list[dict]:
     """The tools as OpenAI sends them; raises APIError 400 naming a malformed one."""
     seen = set()
     for i, tool in enumerate(tools):
@@ -62,8 +66,9 @@ def _check_tools(tools: list) -> list[dict]:
             raise APIError(400, "each tool must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
                            param=f"tools.{i}")
         name, params = fn.get("name"), fn.get("parameters", {})
-        if not isinstance(name, str) or not name:
-            raise APIError(400, "a tool's function needs a name", param=f"tools.{i}.function.name")
+        if not isinstance(name, str) or not _TOOL_NAME.fullmatch(name):
+            raise APIError(400, "a tool's function needs a name of 1 to 64 letters, digits, _ or - (OpenAI's rule)",
+                           param=f"tools.{i}.function.name")
         if name in seen:
             raise APIError(400, f"two tools are named `{name}`", param=f"tools.{i}.function.name")
         if not isinstance(params, dict):
@@ -107,7 +112,7 @@ def plan_tools(req: ChatCompletionRequest, template_reads_tools: bool,
         not among the tools, tool_choice required/named without tools, tools
         the template cannot show.
     """
-    tools = _check_tools(req.tools or [])
+    tools = check_tools(req.tools or [])
     choice = req.tool_choice
     if choice is None:
         choice = "auto" if tools else "none"
