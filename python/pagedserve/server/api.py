@@ -21,7 +21,13 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine
-from .anthropic_protocol import CountTokensRequest, CountTokensResponse, MessageResponse, MessagesRequest
+from .anthropic_protocol import (
+    AnthropicError,
+    CountTokensRequest,
+    CountTokensResponse,
+    MessageResponse,
+    MessagesRequest,
+)
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from .protocol import (
@@ -63,6 +69,19 @@ def _sse(chunk: type[BaseModel]) -> dict:
                      "contentSchema": {"$ref": _SCHEMA_REF.format(model=chunk.__name__)}}}
     return {"text/event-stream": {"itemSchema": {"type": "object", "required": ["data"],
                                                  "properties": {"data": data}}}}
+
+
+def _typed_events() -> dict:
+    """OpenAPI content of a stream of typed server-sent events (Anthropic's and
+    the Responses API's): an `event:` name and a JSON object with a `type`."""
+    data = {"type": "string", "contentMediaType": "application/json",
+            "contentSchema": {"type": "object", "required": ["type"], "properties": {"type": {"type": "string"}}}}
+    return {"text/event-stream": {"itemSchema": {"type": "object", "required": ["data"],
+                                                 "properties": {"event": {"type": "string"}, "data": data}}}}
+
+
+# /v1/messages answers errors in Anthropic's shape
+_ANTHROPIC_ERRORS = {status: {"model": AnthropicError} for status in (400, 401, 404, 413, 503)}
 
 
 def _answers(model: type[BaseModel], chunk: type[BaseModel]) -> dict:
@@ -141,17 +160,19 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         return await chat.create(req, raw)
 
-    @app.post("/v1/messages", response_model=None, responses={200: {"model": MessageResponse}})
+    @app.post("/v1/messages", response_model=None,
+              responses={200: {"model": MessageResponse, "content": _typed_events()}, **_ANTHROPIC_ERRORS})
     async def anthropic_messages(req: MessagesRequest, raw: Request):
         """Anthropic's Messages API over the chat pipeline (serving_messages.py)."""
         return await messages.create(req, raw)
 
-    @app.post("/v1/responses", response_model=None, responses={200: {"model": ResponseObject}, **_ERRORS})
+    @app.post("/v1/responses", response_model=None,
+              responses={200: {"model": ResponseObject, "content": _typed_events()}, **_ERRORS})
     async def openai_responses(req: ResponsesRequest, raw: Request):
         """OpenAI's Responses API, stateless, over the chat pipeline (serving_responses.py)."""
         return await responses.create(req, raw)
 
-    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse)
+    @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ANTHROPIC_ERRORS)
     async def anthropic_count_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
 
