@@ -82,20 +82,8 @@ WEATHER = {"name": "get_weather", "description": "Current weather in a city",
                             "required": ["city"]}}
 
 
-@pytest.fixture(scope="module")
-def tool_server(smollm2_dir, tmp_path_factory):
-    from conftest import make_tiny_chat_model
-    from serverlib import start_server, stop_server
-
-    path = make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_claude"), 512)
-    proc, base = start_server("--model", path, "--dtype", "float32", "--max-model-len", "512",
-                              "--chat-template", "chatml-tools", "--log-level", "warning")
-    yield base, path
-    stop_server(proc)
-
-
-def test_tool_use_round_trip(tool_server):
-    base, model = tool_server
+def test_tool_use_round_trip(tiny_tools_server):
+    base, model = tiny_tools_server
     client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "What is the weather in Paris?"}]
     kw = dict(model=model, max_tokens=40, extra_body={"temperature": 0}, tools=[WEATHER],

@@ -74,20 +74,8 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "Current wea
                          "required": ["city"], "additionalProperties": False}}]
 
 
-@pytest.fixture(scope="module")
-def tool_server(smollm2_dir, tmp_path_factory):
-    from conftest import make_tiny_chat_model
-    from serverlib import start_server, stop_server
-
-    path = make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_responses"), 512)
-    proc, base = start_server("--model", path, "--dtype", "float32", "--max-model-len", "512",
-                              "--chat-template", "chatml-tools", "--log-level", "warning")
-    yield base, path
-    stop_server(proc)
-
-
-def test_function_call_round_trip(tool_server):
-    base, model = tool_server
+def test_function_call_round_trip(tiny_tools_server):
+    base, model = tiny_tools_server
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
     kw = dict(model=model, tools=TOOLS, tool_choice="required", temperature=0, max_output_tokens=40)

@@ -101,6 +101,8 @@ def _regex(text: str) -> str:
 
 
 FAMILIES = [  # bundled template, forced output, expected content, the call as the template renders it back
+    ("chatml-tools", 'Let me look.<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>',
+     "Let me look.", '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'),
     ("mistral-tools", 'One moment.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
      "One moment.", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'),
     ("llama3-json-tools", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', None,

@@ -13,6 +13,7 @@ import jinja2
 import jinja2.meta
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import RequestOutput
@@ -67,6 +68,16 @@ def template_reads_tools(tok, source: str | None = None) -> bool:
         return "tools" in template_variables(source if source is not None else template_source(tok))
     except jinja2.TemplateError:
         return False
+
+
+def chat_request(body: dict) -> ChatCompletionRequest:
+    """A ChatCompletionRequest built from another API's request (/v1/messages,
+    /v1/responses). Raises APIError 400 naming what does not validate."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as e:
+        err = e.errors()[0]
+        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
 
 
 class OpenAIServingChat(OpenAIServing):

@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from .anthropic_protocol import (
@@ -38,7 +37,7 @@ from .anthropic_protocol import (
 )
 from .errors import APIError
 from .protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
-from .serving_chat import OpenAIServingChat, template_reads_tools
+from .serving_chat import OpenAIServingChat, chat_request, template_reads_tools
 from .tool_calls import plan_tools
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -99,14 +98,6 @@ def _tools(req: MessagesRequest | CountTokensRequest) -> dict:
     return fields
 
 
-def _chat_request(body: dict) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest.model_validate(body)
-    except ValidationError as e:
-        err = e.errors()[0]
-        raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
-
-
 class AnthropicServingMessages:
     """Answers MessagesRequests through an OpenAIServingChat."""
 
@@ -119,7 +110,7 @@ class AnthropicServingMessages:
             if getattr(req, name) not in (None, [], {}):
                 raise APIError(400, f"`{name}` is not supported by this server", param=name,
                                code="unsupported_parameter")
-        return _chat_request({
+        return chat_request({
             "model": req.model, "messages": _messages(req), "max_tokens": req.max_tokens,
             "temperature": req.temperature, "top_p": req.top_p, "top_k": req.top_k or 0,
             "stop": req.stop_sequences or None, "stream": req.stream, **_tools(req),
@@ -204,7 +195,7 @@ class AnthropicServingMessages:
     async def count_tokens(self, req: CountTokensRequest) -> CountTokensResponse:
         """The prompt's tokens as /v1/messages would render it (tools included)."""
         self.chat.check_model(req.model)
-        chat_req = _chat_request({"model": req.model, "messages": _messages(req), **_tools(req)})
+        chat_req = chat_request({"model": req.model, "messages": _messages(req), **_tools(req)})
         tok = self.chat.core.tokenizer
         plan = plan_tools(chat_req, tok is not None and template_reads_tools(tok), self.chat.tool_parser)
         ids = await run_in_threadpool(self.chat.render, chat_req.messages, chat_req, False, plan.tools)

@@ -28,12 +28,11 @@ from collections.abc import AsyncIterator
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
-from pydantic import ValidationError
 
 from .errors import APIError
 from .protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from .responses_protocol import ResponseObject, ResponsesRequest, new_id
-from .serving_chat import OpenAIServingChat, template_source, template_variables
+from .serving_chat import OpenAIServingChat, chat_request, template_source, template_variables
 
 
 def _text_of(content, where: str) -> str:
@@ -138,11 +137,7 @@ class OpenAIServingResponses:
             body["reasoning_effort"] = effort
         if req.stream:
             body["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as e:
-            err = e.errors()[0]
-            raise APIError(400, f"{'.'.join(map(str, err['loc']))}: {err['msg']}") from e
+        return chat_request(body)
 
     def _template_variables(self) -> frozenset[str]:
         tok = self.chat.core.tokenizer
