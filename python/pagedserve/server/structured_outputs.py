@@ -46,8 +46,6 @@ def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
     found: list[tuple[str, dict]] = []
     if req.response_format and (values := _response_format(req.response_format)) is not None:
         found.append(("response_format", values))
-    if req.guided_choice == []:
-        raise APIError(400, "`guided_choice` must be a non-empty list of strings", param="guided_choice")
     for name, kind in GUIDED_FIELDS.items():
         value = getattr(req, name)
         if value not in (None, [], "", {}):
