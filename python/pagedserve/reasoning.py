@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .engine.stop import held_back
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -97,14 +99,6 @@ def reasoning_token_count(parser: ReasoningParser, token_ids: list[int], token_b
     return len(token_ids)
 
 
-def _held_back(text: str, tag: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of tag."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
-
-
 class ReasoningStreamer:
     """Splits a streamed output into reasoning and content deltas so that the
     joined deltas equal ReasoningParser.split of the whole text.
@@ -129,7 +123,7 @@ class ReasoningStreamer:
             return "", ""  # may still become the opening tag
         reasoning, content = p.split(text)
         if content is None and reasoning is not None:  # still open: hold a possible start of the end tag
-            reasoning = reasoning[:len(reasoning) - _held_back(reasoning, p.end)]
+            reasoning = reasoning[:len(reasoning) - held_back(reasoning, (p.end,))]
         return self._emit(reasoning or "", content or "")
 
     def finish(self) -> tuple[str, str]:

@@ -4,6 +4,8 @@ never sees part of a stop string)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class StopStringMatcher:
     """Tracks one request's output text against its stop strings.
@@ -45,8 +47,17 @@ class StopStringMatcher:
     def releasable(self) -> int:
         """Length of the prefix of self.text that can be shown: everything but the
         longest tail that is a proper prefix of some stop string."""
-        for k in range(min(self.max_len - 1, len(self.text)), 0, -1):
-            tail = self.text[-k:]
-            if any(s.startswith(tail) for s in self.stop):
-                return len(self.text) - k
-        return len(self.text)
+        return len(self.text) - held_back(self.text, self.stop)
+
+
+def held_back(text: str, markers: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of one of
+    markers (0: none): what a stream holds back while it could still become a
+    marker (a stop string, a reasoning tag, the opening of tool calls)."""
+    longest = max((len(m) for m in markers), default=0)
+    for k in range(min(longest - 1, len(text)), 0, -1):
+        tail = text[-k:]
+        if any(m.startswith(tail) for m in markers):
+            return k
+    return 0
+

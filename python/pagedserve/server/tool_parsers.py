@@ -28,6 +28,7 @@ import json
 import re
 from dataclasses import dataclass
 
+from ..engine.stop import held_back
 from .protocol import FunctionCall, ToolCall
 
 
@@ -58,14 +59,6 @@ def _call_of(obj, names: tuple[str, ...], *arg_keys: str) -> ToolCall | None:
     return make_call(obj["name"], as_json(arguments)) if isinstance(arguments, dict) else None
 
 
-def _prefix_hold(text: str, marker: str) -> int:
-    """Characters at the end of text that may begin marker."""
-    for k in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-k:]):
-            return k
-    return 0
-
-
 @dataclass(frozen=True)
 class ToolParser:
     """One tool-call format. Subclasses define the marker and parse()."""
@@ -79,7 +72,7 @@ class ToolParser:
 
     def held_back(self, text: str) -> int:
         """Characters at the end of the text so far that may still begin the calls."""
-        return _prefix_hold(text, self.marker)
+        return held_back(text, (self.marker,))
 
     def parse(self, text: str, names: tuple[str, ...]) -> tuple[str | None, list[ToolCall]]:
         """A finished output's (content, calls): content the text before the
