@@ -7,6 +7,7 @@ from ._core import BlockPool, KVCacheManager, Scheduler, SchedulerConfig  # noqa
 from .config import EngineArgs  # noqa: F401
 from .errors import PagedServeError, RequestRejectedError  # noqa: F401
 from .sampling_params import SamplingParams  # noqa: F401
+from .pooling_params import PoolingParams  # noqa: F401
 
 try:
     __version__ = version("pagedserve")
@@ -22,4 +23,4 @@ def __getattr__(name):  # LLM pulls in torch + transformers: load it on first us
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "EngineArgs", "SamplingParams", "PagedServeError", "RequestRejectedError"]
+__all__ = ["LLM", "EngineArgs", "SamplingParams", "PoolingParams", "PagedServeError", "RequestRejectedError"]

@@ -147,6 +147,10 @@ class EngineArgs:
         "reasoning_content, structured outputs constrain only the answer; deepseek_r1 = reasoning until "
         "</think> (the template opens the tag), qwen3 = reasoning only when the output opens with <think>",
         choices=["deepseek_r1", "qwen3"]))
+    embedding_pooling: str = field(default="last", metadata=_arg(
+        "how /v1/embeddings (and LLM.embed) pool the model's final hidden states into one unit vector: last = the "
+        "prompt's last token (a prefix-cache hit skips the rest), mean = the mean over every prompt token (computes "
+        "all of them: no prefix-cache reads)", choices=["last", "mean"]))
     chat_template: str | None = field(default=None, metadata=_arg(
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
         "(ChatML with tool calls, for ChatML models whose own template has no tool format, e.g. SmolLM2)"))

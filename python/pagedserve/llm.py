@@ -6,7 +6,8 @@ from tqdm import tqdm
 
 from .config import EngineArgs
 from .engine.llm_engine import LLMEngine
-from .engine.outputs import RequestOutput
+from .engine.outputs import PoolingRequestOutput, RequestOutput
+from .pooling_params import PoolingParams
 from .sampling_params import SamplingParams
 
 
@@ -52,6 +53,31 @@ class LLM:
             0 if priority is None else priority] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"{len(priorities)} priorities for {len(prompts)} prompts")
+        return self._run(prompts, params, priorities, "generating", use_tqdm)
+
+    def embed(self, prompts: str | list[str] | list[list[int]], pooling_params: PoolingParams | None = None,
+              use_tqdm: bool = True) -> list[PoolingRequestOutput]:
+        """Embeds every prompt (vLLM's LLM.embed): each runs as a prefill-only
+        request through the same scheduler as generation, and its final hidden
+        states are pooled into one float32 vector [hidden_size]
+        (PoolingRequestOutput.embedding; engine/pooling.py).
+
+        Args:
+            prompts: a string, a list of strings, or a list of token-id lists.
+            pooling_params: pooling_type and normalize; None = the engine's
+                embedding_pooling, normalized.
+        Raises:
+            ValueError if a prompt can never be served (empty, or not leaving one
+            token of max_model_len free); nothing is queued then.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = pooling_params or PoolingParams(self.engine.args.embedding_pooling)
+        return self._run(prompts, [params] * len(prompts), [0] * len(prompts), "embedding", use_tqdm)
+
+    def _run(self, prompts, params, priorities, desc: str, use_tqdm: bool) -> list:
+        """Queues every prompt (all or none), steps the engine until each has
+        finished; returns the final outputs in prompt order."""
         ids = []
         try:
             for p, sp, prio in zip(prompts, params, priorities):
@@ -60,9 +86,9 @@ class LLM:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
-        final: dict[str, RequestOutput] = {}
+        final = {}
         try:
-            with tqdm(total=len(ids), desc="generating", unit="req", disable=not use_tqdm) as bar:
+            with tqdm(total=len(ids), desc=desc, unit="req", disable=not use_tqdm) as bar:
                 while self.engine.has_unfinished_requests():
                     for out in self.engine.step():
                         if out.finished:

@@ -72,7 +72,7 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 # Parameters the server refuses by name when set (400): dropped from steered bodies.
 REFUSED = (set(CompletionRequest.UNIMPLEMENTED) | set(ChatCompletionRequest.UNIMPLEMENTED)
            | {"tool_choice", "function_call", "response_format", "best_of", "priority",
-              "chat_template_kwargs", "documents", "reasoning_effort", "continue_final_message"})
+              "chat_template_kwargs", "documents", "reasoning_effort", "continue_final_message", "dimensions"})
 
 
 @pytest.fixture(scope="module")
@@ -160,7 +160,7 @@ def _messages(messages: list) -> list:
 
 def steer(path: str, body, model: str, vocab: int):
     """A schema-valid body nudged towards one the server serves: no refused
-    parameter, the served model's name, a non-empty prompt of known token ids,
+    parameter, the served model's name, a non-empty prompt (or embeddings input) of known token ids,
     text messages, logprobs on with top_logprobs, stream on with stream_options,
     at most MAX_STEERED_TOKENS new tokens per choice when a limit is given, and
     half of the completions and chats streamed when `stream` is not given.
@@ -178,6 +178,8 @@ def steer(path: str, body, model: str, vocab: int):
         body["prompt"] = body.get("prompt") or "Hello"
     if "prompt" in body and body["prompt"] is not None:
         body["prompt"] = _prompt(body["prompt"], vocab)
+    if path == "/v1/embeddings" and body.get("input") is not None:
+        body["input"] = _prompt(body["input"], vocab)
     if isinstance(body.get("messages"), list):
         body["messages"] = _messages(body["messages"])
     for key in ("max_tokens", "max_completion_tokens"):

@@ -15,9 +15,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from .llm_engine import LLMEngine
-from .outputs import RequestOutput
+from .outputs import PoolingRequestOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,11 @@ class AsyncLLMEngine:
         self._thread.start()
 
     # ---- called from the event loop ---------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Submits a request and yields its RequestOutputs until the finished one.
+    async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str,
+                       cache_salt: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
+        """Submits a request and yields its RequestOutputs until the finished one
+        (PoolingParams: an embedding request, one PoolingRequestOutput).
         cache_salt and priority: as LLMEngine.add_request.
 
         Raises:

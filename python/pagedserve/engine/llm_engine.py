@@ -30,10 +30,12 @@ from ..model.loader import gguf_source, load_config, load_model
 from ..model.prepare import describe_batch_invariance, prepare_model
 from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
 from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs, raw_logprobs
+from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
 from ..templates import load_chat_template
 from ..reasoning import get_parser
-from .outputs import Logprob, RequestOutput
+from .outputs import Logprob, PoolingRequestOutput, RequestOutput
+from .pooling import Pooler
 from .request import Request
 from .spec_decode import make_speculative_decoder
 from .token_bytes import TokenBytes
@@ -267,11 +269,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"token id {bad[0]}{what} is outside the vocabulary [0, {vocab})")
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
                     request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
         """Queues a request; returns its id. cache_salt: requests with different
         salts never share prefix-cache blocks. priority: lower is served first
         (--scheduling-policy priority; any other policy refuses a value other than 0).
+        PoolingParams make it an embedding request (vLLM's pooling requests): a
+        prefill-only request through the same scheduler, whose one output is a
+        PoolingRequestOutput (engine/pooling.py); it runs with max_tokens 1
+        (the token sampled after the prompt is dropped), so the prompt must
+        leave one token of max_model_len free.
 
         Raises:
             ValueError (including pagedserve.errors.RequestRejectedError) if it can
@@ -282,6 +289,9 @@ class LLMEngine:
             ValueError) for a structured-output constraint that does not
             compile; TypeError for a priority that is not an int.
         """
+        pooling = params if isinstance(params, PoolingParams) else None
+        if pooling is not None:
+            params = SamplingParams(max_tokens=1, temperature=0.0)
         params = params or SamplingParams()
         if not isinstance(priority, int) or isinstance(priority, bool):
             raise TypeError(f"priority must be an int, got {type(priority).__name__} {priority!r}")
@@ -309,11 +319,14 @@ class LLMEngine:
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)
         req.priority = priority
+        if pooling is not None:
+            req.pooler = Pooler(pooling, len(ids))
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
                                   params.stop_token_ids)
-        # prompt logprobs need logits at every prompt position: no prefix-cache reads
+        # prompt logprobs and mean pooling need every prompt position computed: no prefix-cache reads
         self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n,
-                                   params.prompt_logprobs is not None, priority)
+                                   params.prompt_logprobs is not None or (
+                                       pooling is not None and pooling.pooling_type == "mean"), priority)
         self.requests[request_id] = req
         return request_id
 
@@ -356,12 +369,14 @@ class LLMEngine:
         inp = _core.ModelInput(out)  # the decision laid out for the forward pass
         # the step's shape, for step-cost models (pagedserve.experiments.step_cost)
         self.last_step_shape = (inp.num_tokens, int(inp.seq_lens.sum()))
-        prompt_rows = self._prompt_logprob_rows(out, inp, request_ids)
+        prompt_rows, pool_rows = self._extra_rows(out, inp, request_ids)
         drafts = self.spec_decoder.rows(out, inp) if self.spec_decoder is not None else []
-        extra = torch.tensor([i for _, idx, _ in prompt_rows for i in idx], dtype=torch.long) if prompt_rows else None
+        extra_idx = [i for rows in (prompt_rows, pool_rows) for _, idx, _ in rows for i in idx]
+        extra = torch.tensor(extra_idx, dtype=torch.long) if extra_idx else None
         draft_rows = torch.tensor([i for d in drafts for i in d.rows], dtype=torch.long) if drafts else None
         logits, extra_hidden = self.runner.execute(inp, extra, draft_rows)
         self._record_prompt_logprobs(prompt_rows, extra_hidden)
+        self._record_pooling(pool_rows, extra_hidden, sum(len(idx) for _, idx, _ in prompt_rows))
         num_sampling = len(inp.logits_indices)
         logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
 
@@ -383,10 +398,18 @@ class LLMEngine:
         kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids, logits, slot_rows, logprob_of)
 
         touched: dict[str, Request] = {}
+        num_dropped = 0  # embedding requests' tokens: sampled to end the prefill, not output
         for upd in self.scheduler.update(sampled.token_ids):
             req = self.requests[upd.request_id]
             choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
+            if req.pooler is not None:  # the prompt is pooled: the request ends here, its token dropped
+                if not upd.finished:
+                    self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
+                choice.finish("stop")
+                num_dropped += 1
+                touched[req.request_id] = req
+                continue
             grammar_ended = choice.grammar is not None and self._advance_grammar(choice, upd.token_id)
             if any(choice.append_token(t, lp) for t, lp in kept.get((req.request_id, upd.index), ())):
                 # a stop string ended the output inside the kept drafts: the tokens after it are not output
@@ -401,7 +424,8 @@ class LLMEngine:
                 self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
                 choice.finish("stop")
             touched[req.request_id] = req
-        return self._make_outputs(touched.values(), len(sampled.token_ids) + sum(map(len, kept.values())))
+        return self._make_outputs(touched.values(),
+                                  len(sampled.token_ids) - num_dropped + sum(map(len, kept.values())))
 
     def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]], sampled_tokens: list[int],
                        sampling_logits: torch.Tensor, slot_rows: list[int], logprob_of: dict
@@ -462,16 +486,19 @@ class LLMEngine:
             return True
         return choice.grammar.terminated
 
-    def _make_outputs(self, reqs, num_generated: int) -> list[RequestOutput]:
-        """RequestOutputs of the requests that got tokens this step; timings and metrics."""
+    def _make_outputs(self, reqs, num_generated: int) -> list[RequestOutput | PoolingRequestOutput]:
+        """RequestOutputs of the requests that got tokens this step (an
+        embedding request's PoolingRequestOutput); timings and metrics (an
+        embedding request has no first token: no TTFT)."""
         now = time.monotonic()
         outputs, prompt_tokens, itls = [], 0, []
         for req in reqs:
             itl = req.on_tokens(now)
             if itl is None:  # first token: the prefill is done
                 prompt_tokens += len(req.prompt_token_ids)
-                self.metrics.observe_first_token(now - req.arrival_time,
-                                                 req.first_scheduled_time - req.arrival_time, req.priority)
+                if req.pooler is None:
+                    self.metrics.observe_first_token(now - req.arrival_time,
+                                                     req.first_scheduled_time - req.arrival_time, req.priority)
             else:
                 itls.append(itl)
             outputs.append(req.make_output())
@@ -483,19 +510,28 @@ class LLMEngine:
         self.observe_scheduler()
         return outputs
 
-    def _prompt_logprob_rows(self, out, inp, request_ids) -> list[tuple[Request, list[int], list[int]]]:
-        """For requests that want prompt logprobs and prefill this step: (request,
-        flat-batch indices of the positions to score, the prompt tokens they predict).
-        Positions already scored (before a preemption) are skipped."""
-        rows = []
+    def _extra_rows(self, out, inp, request_ids) -> tuple[list[tuple[Request, list[int], list[int]]],
+                                                          list[tuple[Request, list[int], range]]]:
+        """The rows whose final hidden states the step needs besides the
+        sampling rows: for requests that want prompt logprobs and prefill this
+        step, (request, flat-batch indices of the positions to score, the
+        prompt tokens they predict); for embedding requests that prefill this
+        step, (request, flat-batch indices, the prompt positions they hold).
+        Positions already scored or pooled (before a preemption) are skipped."""
+        rows, pool = [], []
         qsl = None
         for b, rid in enumerate(request_ids):
             req = self.requests[rid]
-            if req.prompt_logprobs is None:
+            if req.prompt_logprobs is None and req.pooler is None:
                 continue
             if qsl is None:
                 qsl, computed = inp.query_start_loc.tolist(), out.num_computed_tokens.tolist()
                 scheduled = out.num_scheduled_tokens.tolist()
+            if req.pooler is not None:
+                positions = req.pooler.rows_to_pool(computed[b], scheduled[b])
+                if positions:
+                    pool.append((req, [qsl[b] + p - computed[b] for p in positions], positions))
+                continue
             n_prompt = len(req.prompt_token_ids)
             # position p predicts prompt token p + 1; prompt_logprobs holds 1 + scored positions
             lo = max(computed[b], len(req.prompt_logprobs) - 1)
@@ -503,7 +539,15 @@ class LLMEngine:
             if hi > lo:
                 rows.append((req, [qsl[b] + p - computed[b] for p in range(lo, hi)],
                              req.prompt_token_ids[lo + 1:hi + 1]))
-        return rows
+        return rows, pool
+
+    @staticmethod
+    def _record_pooling(rows, extra_hidden: torch.Tensor | None, start: int) -> None:
+        """Hands each embedding request its rows' hidden states (from extra_hidden
+        [E, hidden], after the `start` rows of prompt logprobs)."""
+        for req, idx, positions in rows:
+            req.pooler.add(extra_hidden[start:start + len(idx)], positions)
+            start += len(idx)
 
     def _record_prompt_logprobs(self, rows, extra_hidden: torch.Tensor | None) -> None:
         """Scores the rows' prompt positions from their hidden states [E, hidden],

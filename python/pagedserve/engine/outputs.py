@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -81,4 +85,30 @@ class RequestOutput:
     prompt_logprobs: list[Logprob | None] | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class PoolingRequestOutput:
+    """An embedding request's result (vLLM's PoolingRequestOutput): the engine
+    hands one, when the prompt's prefill is done, or when it is aborted.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt as token ids.
+        embedding: the pooled vector [hidden_size] float32 (unit length when
+            PoolingParams.normalize), None when aborted.
+        finished: always True (a pooling request has one output).
+        finish_reason: "stop" when pooled, "abort" when aborted.
+        num_cached_tokens: prompt tokens served from the prefix cache (not computed).
+        arrival_time, finished_time: time.monotonic() seconds.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: torch.Tensor | None
+    finished: bool = True
+    finish_reason: str = "stop"
+    num_cached_tokens: int = 0
+    arrival_time: float = 0.0
     finished_time: float | None = None

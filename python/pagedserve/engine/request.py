@@ -12,11 +12,12 @@ import torch
 
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer
-from .outputs import CompletionOutput, Logprob, RequestOutput
+from .outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOutput
 from .stop import StopStringMatcher
 
 if TYPE_CHECKING:
     from ..structured_output import GrammarState
+    from .pooling import Pooler
 
 
 @dataclass
@@ -95,6 +96,8 @@ class Request:
     filled chunk by chunk while the prompt is prefilled (None when not asked).
     num_draft_tokens, num_accepted_tokens: speculative decoding's draft tokens
     verified for the request's choices and how many of them were kept.
+    pooler: an embedding request's pooled state (its one choice's sampled
+    token is dropped); None for a generation request.
     """
 
     request_id: str
@@ -112,6 +115,7 @@ class Request:
     finished_time: float | None = None
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for its choices
     num_accepted_tokens: int = 0  # of them, the ones kept
+    pooler: Pooler | None = None
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -146,11 +150,18 @@ class Request:
             return None
         return now - previous
 
-    def make_output(self) -> RequestOutput:
-        """This step's RequestOutput: every choice, with its deltas."""
+    def make_output(self) -> RequestOutput | PoolingRequestOutput:
+        """This step's RequestOutput: every choice, with its deltas (an
+        embedding request's PoolingRequestOutput once it finished)."""
         finished = self.finished
         if finished and self.finished_time is None:
             self.finished_time = time.monotonic()
+        if self.pooler is not None:
+            reason = self.choices[0].finish_reason
+            return PoolingRequestOutput(self.request_id, self.prompt_token_ids,
+                                        self.pooler.result() if reason == "stop" else None, finished,
+                                        reason or "abort", self.num_cached_tokens, self.arrival_time,
+                                        self.finished_time)
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.make_output() for c in self.choices], finished, self.num_cached_tokens,
                              list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,

@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible endpoints over an AsyncLLMEngine, plus
+"""The FastAPI app: OpenAI-compatible endpoints (completions, chat, responses,
+embeddings; Anthropic's messages) over an AsyncLLMEngine, plus
 /health, /version, /tokenize, /detokenize, /tokenizer_info, Prometheus /metrics and a web chat
 page at / (its files in static/, served under /static).
 
@@ -28,6 +29,7 @@ from .anthropic_protocol import (
     MessageResponse,
     MessagesRequest,
 )
+from .embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from .protocol import (
@@ -47,6 +49,7 @@ from .protocol import (
 from .responses_protocol import ResponseObject, ResponsesRequest
 from .serving_chat import OpenAIServingChat, template_source
 from .serving_completion import OpenAIServingCompletion
+from .serving_embedding import OpenAIServingEmbedding
 from .serving_messages import AnthropicServingMessages
 from .serving_responses import OpenAIServingResponses
 from .tool_calls import check_tools
@@ -124,6 +127,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     core = engine.engine
     completion, chat = OpenAIServingCompletion(engine), OpenAIServingChat(engine)
     messages, responses = AnthropicServingMessages(chat), OpenAIServingResponses(chat)
+    embedding = OpenAIServingEmbedding(engine)
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
     @app.get("/", include_in_schema=False)
@@ -171,6 +175,12 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def openai_responses(req: ResponsesRequest, raw: Request):
         """OpenAI's Responses API, stateless, over the chat pipeline (serving_responses.py)."""
         return await responses.create(req, raw)
+
+    @app.post("/v1/embeddings", response_model=EmbeddingResponse, responses=_ERRORS)
+    async def embeddings(req: EmbeddingRequest, raw: Request):
+        """The served model's final hidden states pooled into one unit vector per
+        input (--embedding-pooling), through the same engine (serving_embedding.py)."""
+        return await embedding.create(req, raw)
 
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ANTHROPIC_ERRORS)
     async def anthropic_count_tokens(req: CountTokensRequest):

@@ -126,9 +126,15 @@ class OpenAIServing:
         if req.n > self.core.args.max_num_seqs:
             raise APIError(400, f"`n` = {req.n} exceeds this server's --max-num-seqs "
                                 f"({self.core.args.max_num_seqs}): its choices could never run at once", param="n")
+        self.check_priority(req.priority)
+
+    def check_priority(self, priority: int) -> None:
+        """Raises APIError 400 for a priority other than 0 when the engine does
+        not schedule by priority (vLLM answers the same)."""
         policy = self.core.args.scheduling_policy
-        if req.priority != 0 and policy != "priority":
-            refuse("priority", f"is only honoured with --scheduling-policy priority (this server runs {policy})")
+        if priority != 0 and policy != "priority":
+            raise APIError(400, f"`priority` is only honoured with --scheduling-policy priority (this server runs "
+                                f"{policy})", param="priority", code="unsupported_parameter")
 
     def sampling_params(self, req: _Request, max_tokens: int | None, prompt_len: int, *,
                         logprobs: int | None = None, prompt_logprobs: int | None = None,
@@ -180,6 +186,14 @@ class OpenAIServing:
             return self.core.tokenize(prompt, add_special_tokens)
         except (ValueError, TypeError) as e:
             raise APIError(400, f"cannot tokenize the prompt: {e}", param=param) from e
+
+    def prompts(self, prompt, add_special_tokens: bool = True, param: str = "prompt") -> list[list[int]]:
+        """A request's prompts (a string, a list of strings, a list of token ids
+        or a list of token-id lists) as token-id lists. Raises APIError 400
+        (param: the field, "prompt[i]" for one of a list) on an empty or invalid one."""
+        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
+            return [self.tokenize(prompt, param, add_special_tokens)]
+        return [self.tokenize(p, f"{param}[{i}]", add_special_tokens) for i, p in enumerate(prompt)]
 
     def token_text_of(self, req: _Request):
         """How the request's logprobs show a token: its text, or with vLLM's

@@ -23,13 +23,6 @@ class OpenAIServingCompletion(OpenAIServing):
     """Answers CompletionRequests. Choice index = prompt index * n + choice
     index within that prompt, as OpenAI numbers them."""
 
-    def prompts(self, prompt, add_special_tokens: bool = True) -> list[list[int]]:
-        """The request's prompts as token-id lists. Raises APIError 400 (param
-        "prompt") on an empty or invalid one."""
-        if isinstance(prompt, str) or not prompt or isinstance(prompt[0], int):
-            return [self.tokenize(prompt, add_special_tokens=add_special_tokens)]
-        return [self.tokenize(p, f"prompt[{i}]", add_special_tokens) for i, p in enumerate(prompt)]
-
     async def create(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
         self.reject_unsupported(req)
