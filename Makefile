@@ -32,7 +32,7 @@ serve: $(STAMP)
 test-cpp:
 	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/cpp -j2
-	cd build/cpp && ctest --output-on-failure
+	cd build/cpp && ctest --output-on-failure -j2
 	@echo "CPU kernel variants the C++ tests exercised:"
 	@# from ctest's log of the run above (which holds every test's output), not by running those tests again
 	@grep -F '[ isa ]' build/cpp/Testing/Temporary/LastTest.log | sed 's/^/  /'
@@ -48,7 +48,7 @@ SANITIZE_UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
 test-sanitize:
 	cmake -S . -B build/sanitize -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DPAGEDSERVE_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug
 	cmake --build build/sanitize -j2
-	cd build/sanitize && ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=$(SANITIZE_UBSAN_OPTIONS) ctest --output-on-failure
+	cd build/sanitize && ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=$(SANITIZE_UBSAN_OPTIONS) ctest --output-on-failure -j2
 
 # The web chat test (tests/python/test_web_chat.py) drives Debian's `chromium` with
 # Playwright: installed here when missing if we are root with apt-get; otherwise

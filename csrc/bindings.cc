@@ -268,6 +268,7 @@ PYBIND11_MODULE(_core, m) {
       .def_readonly("block_size", &SO::block_size)
       .def_readonly("request_ids", &SO::request_ids)
       .def_readonly("preempted_request_ids", &SO::preempted_request_ids)
+      .def_readonly("preemption_reasons", &SO::preemption_reasons)
       .def_property_readonly("num_seqs", &SO::num_seqs)
       .def_property_readonly("total_num_scheduled_tokens", &SO::total_num_scheduled_tokens)
       .def_property_readonly("empty", &SO::empty)

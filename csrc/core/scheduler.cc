@@ -155,6 +155,7 @@ bool Scheduler::preempt_for(const Sequence& seq, int32_t num_tokens, const Prefi
     }
     preempt(victim);
     out.preempted_request_ids.push_back(victim->request_id);
+    out.preemption_reasons.emplace_back("priority");
   }
   return true;
 }
@@ -180,6 +181,7 @@ std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
       running_.pop_back();
       preempt(victim);
       out->preempted_request_ids.push_back(victim->request_id);
+      out->preemption_reasons.emplace_back("kv_blocks");
       preempted = true;
       if (victim == seq) {
         keep = false;

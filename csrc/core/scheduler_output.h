@@ -37,6 +37,9 @@ struct SchedulerOutput {
   // [C, 2] (src, dst) block copies (copy-on-write) to apply before the forward pass.
   std::vector<int32_t> blocks_to_copy;
   std::vector<std::string> preempted_request_ids;  // preempted while scheduling this step
+  // [P] why each of them was: "kv_blocks" (a running sequence needed blocks none were free for) or
+  // "priority" (an arrival of strictly better priority needed its place, --scheduling-policy priority)
+  std::vector<std::string> preemption_reasons;
 
   int32_t num_seqs() const { return static_cast<int32_t>(request_ids.size()); }
   int32_t total_num_scheduled_tokens() const { return static_cast<int32_t>(token_ids.size()); }

@@ -147,6 +147,10 @@ class EngineArgs:
         "reasoning_content, structured outputs constrain only the answer; deepseek_r1 = reasoning until "
         "</think> (the template opens the tag), qwen3 = reasoning only when the output opens with <think>",
         choices=["deepseek_r1", "qwen3"]))
+    request_timelines: int = field(default=0, metadata=_arg(
+        "record every request's timeline (the steps it ran in, its prefill chunks, preemptions, prefix-cache hits, "
+        "blocks held, latencies) and keep the last N finished ones for GET /v1/requests/{id}/timeline; 0 = only "
+        "requests that ask (\"timeline\": true) record theirs", metavar="N"))
     embedding_pooling: str = field(default="last", metadata=_arg(
         "how /v1/embeddings (and LLM.embed) pool the model's final hidden states into one unit vector: last = the "
         "prompt's last token (a prefix-cache hit skips the rest), mean = the mean over every prompt token (computes "
@@ -192,6 +196,8 @@ class EngineArgs:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if not 0 <= self.request_timelines <= 2**20:
+            raise ValueError(f"request_timelines must be in [0, {2**20}], got {self.request_timelines}")
         for name, lo in (("max_model_len", 2), ("num_kv_blocks", 1), ("max_num_seqs", 1),
                          ("max_num_batched_tokens", 1), ("kv_cache_memory", 1)):
             v = getattr(self, name)

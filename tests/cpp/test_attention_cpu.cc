@@ -318,35 +318,50 @@ std::vector<uint32_t> row_bits(const std::vector<int32_t>& q_lens, const std::ve
 // in a prefill) and GQA, in every variant this CPU runs; on 2 threads a lone
 // decode's items are split over their query heads. Split-KV (split_kv, a long
 // decode in a small step) is outside this: its merge sums in another order.
-TEST(AttentionCpu, AQueryTokensOutputDoesNotDependOnTheRestOfItsStep) {
+// One instance per (query heads, KV heads, sliding window): separate tests, so
+// that a sharded run (the qemu-user runs, tests/cpp/CMakeLists.txt) spreads them.
+struct RowIndependenceCase {
+  int64_t num_heads, num_kv_heads, window;  // window 40: narrower than the longer sequences
+};
+
+class AttentionCpuRows : public ::testing::TestWithParam<RowIndependenceCase> {};
+
+TEST_P(AttentionCpuRows, AQueryTokensOutputDoesNotDependOnTheRestOfItsStep) {
   IsaGuard guard;
+  const int64_t H = GetParam().num_heads, Hkv = GetParam().num_kv_heads, window = GetParam().window, D = 64;
   int ran = 0;
   for (const IsaVariant& v : compiled_isas()) {
     if (!v.supported()) continue;
     set_active_isa(v.name);
-    for (const auto& heads : std::vector<std::pair<int64_t, int64_t>>{{4, 4}, {6, 2}, {4, 1}})
-    for (int64_t window : {0, 40}) {  // 40: a sliding window narrower than the longer sequences
-      const int64_t H = heads.first, Hkv = heads.second, D = 64;
-      for (int32_t len : {1, 17, 70, 200}) {
-        const auto row_bits = [&](const std::vector<int32_t>& q, const std::vector<int32_t>& l, int64_t seq,
-                                  int64_t row, int64_t h, int64_t hkv, int64_t d, int threads) {
-          return ::row_bits(q, l, seq, row, h, hkv, d, threads, window);
-        };
-        const auto alone = row_bits({1}, {len}, 0, 0, H, Hkv, D, 1);
-        const auto expect_same = [&](const std::vector<uint32_t>& got, const char* what) {
-          EXPECT_EQ(got, alone) << v.name << " H=" << H << " Hkv=" << Hkv << " window=" << window << " len=" << len
-                                << ": " << what;
-        };
-        expect_same(row_bits({1}, {len}, 0, 0, H, Hkv, D, 2), "alone on 2 threads");
-        expect_same(row_bits({len}, {len}, 0, len - 1, H, Hkv, D, 2), "the last row of the whole prefill");
-        if (len >= 5) expect_same(row_bits({5}, {len}, 0, 4, H, Hkv, D, 1), "the last row of a 5-token chunk");
-        if (len >= 20) expect_same(row_bits({19}, {len}, 0, 18, H, Hkv, D, 2), "the last row of a 19-token chunk");
-        expect_same(row_bits({3, 1, 1}, {40, 90, len}, 2, 0, H, Hkv, D, 2), "a decode beside a chunk and a decode");
-        expect_same(row_bits({1, 1, 1, 1, 1, 1, 1, 1}, {len, 9, 33, 64, 65, 128, 250, 3}, 0, 0, H, Hkv, D, 2),
-                    "the first of 8 decodes");
-      }
+    for (int32_t len : {1, 17, 70, 200}) {
+      const auto row_bits = [&](const std::vector<int32_t>& q, const std::vector<int32_t>& l, int64_t seq,
+                                int64_t row, int64_t h, int64_t hkv, int64_t d, int threads) {
+        return ::row_bits(q, l, seq, row, h, hkv, d, threads, window);
+      };
+      const auto alone = row_bits({1}, {len}, 0, 0, H, Hkv, D, 1);
+      const auto expect_same = [&](const std::vector<uint32_t>& got, const char* what) {
+        EXPECT_EQ(got, alone) << v.name << " H=" << H << " Hkv=" << Hkv << " window=" << window << " len=" << len
+                              << ": " << what;
+      };
+      expect_same(row_bits({1}, {len}, 0, 0, H, Hkv, D, 2), "alone on 2 threads");
+      expect_same(row_bits({len}, {len}, 0, len - 1, H, Hkv, D, 2), "the last row of the whole prefill");
+      if (len >= 5) expect_same(row_bits({5}, {len}, 0, 4, H, Hkv, D, 1), "the last row of a 5-token chunk");
+      if (len >= 20) expect_same(row_bits({19}, {len}, 0, 18, H, Hkv, D, 2), "the last row of a 19-token chunk");
+      expect_same(row_bits({3, 1, 1}, {40, 90, len}, 2, 0, H, Hkv, D, 2), "a decode beside a chunk and a decode");
+      expect_same(row_bits({1, 1, 1, 1, 1, 1, 1, 1}, {len, 9, 33, 64, 65, 128, 250, 3}, 0, 0, H, Hkv, D, 2),
+                  "the first of 8 decodes");
     }
     ++ran;
   }
   EXPECT_GE(ran, 1);
 }
+
+INSTANTIATE_TEST_SUITE_P(HeadsAndWindows, AttentionCpuRows,
+                         ::testing::Values(RowIndependenceCase{4, 4, 0}, RowIndependenceCase{4, 4, 40},
+                                           RowIndependenceCase{6, 2, 0}, RowIndependenceCase{6, 2, 40},
+                                           RowIndependenceCase{4, 1, 0}, RowIndependenceCase{4, 1, 40}),
+                         [](const ::testing::TestParamInfo<RowIndependenceCase>& info) {
+                           const RowIndependenceCase& c = info.param;
+                           return "heads" + std::to_string(c.num_heads) + "_kv" + std::to_string(c.num_kv_heads) +
+                                  "_window" + std::to_string(c.window);
+                         });

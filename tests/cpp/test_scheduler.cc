@@ -180,6 +180,7 @@ TEST(Scheduler, PreemptedSequenceKeepsItsTokensAndGoesToHeadOfWaiting) {
     auto out = s.schedule();
     ++d.steps;
     for (auto& id : out->preempted_request_ids) preempted.push_back(id);
+    ASSERT_EQ(out->preemption_reasons, std::vector<std::string>(out->preempted_request_ids.size(), "kv_blocks"));
     const ModelInput in = build_model_input(*out);
     std::vector<int32_t> sampled;
     for (int64_t idx : in.logits_indices) sampled.push_back(100 + static_cast<int32_t>(in.positions[idx] % 50));

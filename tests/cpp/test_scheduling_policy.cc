@@ -315,6 +315,7 @@ TEST(SchedulingPolicy, PreemptedSequenceLeavesNoPendingCopy) {
   s.add_request("high", {7, 8}, max_tokens(4), "", 2, false, 0);
   out = s.schedule();
   ASSERT_EQ(out->preempted_request_ids.size(), 2u);
+  EXPECT_EQ(out->preemption_reasons, (std::vector<std::string>{"priority", "priority"}));
   std::vector<int32_t> held(out->block_ids.begin(), out->block_ids.end());
   for (size_t i = 0; i < out->blocks_to_copy.size(); i += 2) {
     EXPECT_NE(std::find(held.begin(), held.end(), out->blocks_to_copy[i + 1]), held.end())

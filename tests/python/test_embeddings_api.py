@@ -70,6 +70,9 @@ def test_token_ids_and_prefix_cache(server, client):
     ({"model": MODEL, "input": []}, 400, "input"),
     ({"model": MODEL, "input": [[1, 2], []]}, 400, "input[1]"),
     ({"model": MODEL, "input": [2**40]}, 400, None),
+    ({"model": MODEL, "input": ["a", 1]}, 400, "input"),  # one error at the field, not per shape of the union
+    ({"model": MODEL, "input": [1.5]}, 400, "input"),
+    ({"model": MODEL, "input": "hi", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
     ({"model": MODEL, "input": [49152]}, 400, "input"),  # outside SmolLM2's vocabulary
     ({"model": MODEL, "input": "hi", "encoding_format": "int8"}, 400, None),
     ({"model": MODEL, "input": "hi " * 2100}, 400, "input"),  # longer than max_model_len 2048
@@ -87,6 +90,11 @@ def test_bad_input_gets_openai_error(server, client, body, status, param):
         assert err["param"] == param, err
     assert len(client.embeddings.create(model=MODEL, input="still serving").data[0].embedding) == 576
     assert wait_idle(server)["vllm:kv_cache_usage_perc"] == 0
+
+
+def test_truncate_minus_one_keeps_what_fits(client):
+    r = client.embeddings.create(model=MODEL, input="hi " * 2100, extra_body={"truncate_prompt_tokens": -1})
+    assert r.usage.prompt_tokens == 2047  # max_model_len 2048 less the token the prefill samples
 
 
 def test_client_that_goes_away_is_aborted(server):

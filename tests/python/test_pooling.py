@@ -124,10 +124,13 @@ def test_bad_pooling_params_and_prompts():
 
 
 def test_prompt_must_leave_one_token(tiny_llm):
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="one token of max_model_len"):
         tiny_llm.embed([[5] * tiny_llm.engine.max_model_len], use_tqdm=False)
     with pytest.raises(ValueError):
         tiny_llm.embed([[]], use_tqdm=False)
+    for bad in ([1.5, 2], [True, 3]):
+        with pytest.raises(ValueError, match="integers"):
+            tiny_llm.embed([bad], use_tqdm=False)
     assert not tiny_llm.engine.has_unfinished_requests()
 
 

@@ -50,11 +50,11 @@ class AsyncLLMEngine:
 
     # ---- called from the event loop ---------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | PoolingParams, request_id: str,
-                       cache_salt: str | None = None, priority: int = 0
+                       cache_salt: str | None = None, priority: int = 0, timeline: bool = False
                        ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Submits a request and yields its RequestOutputs until the finished one
         (PoolingParams: an embedding request, one PoolingRequestOutput).
-        cache_salt and priority: as LLMEngine.add_request.
+        cache_salt, priority and timeline: as LLMEngine.add_request.
 
         Raises:
             ValueError (RequestRejectedError among them) if the engine refuses
@@ -63,7 +63,7 @@ class AsyncLLMEngine:
         """
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, cache_salt, priority))
+        self._send(("add", request_id, prompt, params, cache_salt, priority, timeline))
         finished = False
         try:
             while True:
@@ -114,7 +114,7 @@ class AsyncLLMEngine:
             request_id = msg[1]
             try:
                 if msg[0] == "add":
-                    self.engine.add_request(msg[2], msg[3], request_id, msg[4], msg[5])
+                    self.engine.add_request(msg[2], msg[3], request_id, msg[4], msg[5], msg[6])
                 elif msg[0] == "abort_all":
                     for out in self.engine.abort_all():
                         self._deliver(out.request_id, out)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import sys
 import time
@@ -18,7 +19,7 @@ import torch
 
 from .. import _core
 from ..config import EngineArgs
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, RequestRejectedError
 from ..hardware import cpu_capabilities, release_free_memory, resolve_dtype
 from ..kernels import resolve_backend
 from ..kernels.backend import AttentionSpec
@@ -38,6 +39,7 @@ from .outputs import Logprob, PoolingRequestOutput, RequestOutput
 from .pooling import Pooler
 from .request import Request
 from .spec_decode import make_speculative_decoder
+from .timeline import Timelines
 from .token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
@@ -156,6 +158,8 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.spec_decoder = make_speculative_decoder(args, self.scheduler, self.eos_token_ids)
         self.requests: dict[str, Request] = {}
+        self.timelines = Timelines(args.request_timelines)
+        self.num_steps = 0  # engine steps that ran (the timelines' step numbers)
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
         self.reasoning_parser = get_parser(args.reasoning_parser)
         if self.reasoning_parser is not None and self.tokenizer is None:
@@ -258,6 +262,8 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer: give prompts as token ids")
             return self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
+        if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompt):
+            raise ValueError("token-id prompts must hold integers (no floats or bools)")
         ids = [int(t) for t in prompt]
         self._check_token_ids(ids)
         return ids
@@ -270,10 +276,14 @@ class LLMEngine:
             raise ValueError(f"token id {bad[0]}{what} is outside the vocabulary [0, {vocab})")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | PoolingParams | None = None,
-                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0) -> str:
+                    request_id: str | None = None, cache_salt: str | None = None, priority: int = 0,
+                    timeline: bool = False) -> str:
         """Queues a request; returns its id. cache_salt: requests with different
         salts never share prefix-cache blocks. priority: lower is served first
         (--scheduling-policy priority; any other policy refuses a value other than 0).
+        timeline: record the request's RequestTimeline (engine/timeline.py;
+        every request records one under --request-timelines N); its final
+        RequestOutput carries it.
         PoolingParams make it an embedding request (vLLM's pooling requests): a
         prefill-only request through the same scheduler, whose one output is a
         PoolingRequestOutput (engine/pooling.py); it runs with max_tokens 1
@@ -299,6 +309,9 @@ class LLMEngine:
             raise ValueError(f"priority must be in [-2**31, 2**31 - 1], got {priority}")
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         ids = self.tokenize(prompt)
+        if pooling is not None and len(ids) >= self.max_model_len:
+            raise RequestRejectedError(f"embedding a prompt of {len(ids)} tokens needs one token of max_model_len "
+                                       f"({self.max_model_len}) free: the prefill samples one token and drops it")
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         self._check_token_ids([*(params.logit_bias or ()), *(params.allowed_token_ids or ()),
@@ -319,6 +332,8 @@ class LLMEngine:
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)
         req.priority = priority
+        if self.timelines.wants(timeline):
+            req.timeline = self.timelines.start(request_id, len(ids), req.arrival_time)
         if pooling is not None:
             req.pooler = Pooler(pooling, len(ids))
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
@@ -343,6 +358,7 @@ class LLMEngine:
             return None
         for choice in req.choices:
             choice.finish("abort")
+        self.timelines.finish(req, self.num_steps)
         out = req.make_output()
         self._observe_finished(req)
         self.observe_scheduler()
@@ -359,9 +375,11 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.empty:
             return []
+        self.num_steps += 1
+        now = time.monotonic()
+        self.timelines.record_step(self.num_steps, now, out)
         # read each array once: request_ids is converted to a Python list per access
         request_ids, seq_indices = out.request_ids, out.seq_indices.tolist()
-        now = time.monotonic()
         for rid in dict.fromkeys(request_ids):
             req = self.requests[rid]
             if req.first_scheduled_time is None:
@@ -501,6 +519,8 @@ class LLMEngine:
                                                      req.first_scheduled_time - req.arrival_time, req.priority)
             else:
                 itls.append(itl)
+            if req.finished:
+                self.timelines.finish(req, self.num_steps)
             outputs.append(req.make_output())
             if req.finished:
                 del self.requests[req.request_id]

@@ -74,6 +74,8 @@ class RequestOutput:
             None for the first token (nothing predicts it); None unless
             SamplingParams.prompt_logprobs is set. Complete from the first output on.
         arrival_time, first_token_time, finished_time: time.monotonic() seconds.
+        timeline: on the finished output of a request that recorded one, its
+            RequestTimeline.to_dict() (engine/timeline.py), else None.
     """
 
     request_id: str
@@ -86,6 +88,7 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finished_time: float | None = None
+    timeline: dict | None = None
 
 
 @dataclass

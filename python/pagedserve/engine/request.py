@@ -18,6 +18,7 @@ from .stop import StopStringMatcher
 if TYPE_CHECKING:
     from ..structured_output import GrammarState
     from .pooling import Pooler
+    from .timeline import RequestTimeline
 
 
 @dataclass
@@ -116,6 +117,7 @@ class Request:
     num_draft_tokens: int = 0  # speculative decoding: draft tokens verified for its choices
     num_accepted_tokens: int = 0  # of them, the ones kept
     pooler: Pooler | None = None
+    timeline: RequestTimeline | None = None  # recorded when asked (engine/timeline.py)
 
     @classmethod
     def create(cls, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
@@ -165,4 +167,5 @@ class Request:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids,
                              [c.make_output() for c in self.choices], finished, self.num_cached_tokens,
                              list(self.prompt_logprobs) if self.prompt_logprobs is not None else None,
-                             self.arrival_time, self.first_token_time, self.finished_time)
+                             self.arrival_time, self.first_token_time, self.finished_time,
+                             self.timeline.to_dict() if finished and self.timeline is not None else None)

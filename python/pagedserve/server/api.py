@@ -186,6 +186,27 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def anthropic_count_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
 
+    @app.get("/v1/requests", responses={200: {"content": {"application/json": {}}}, 401: _ERRORS[401]})
+    async def request_ids():
+        """The ids of the requests that have a timeline: running ones, and the
+        last --request-timelines N finished (oldest first)."""
+        timelines = core.timelines
+        return {"running": list(timelines.live), "finished": list(timelines.finished)}
+
+    @app.get("/v1/requests/{request_id}/timeline", responses={200: {"content": {"application/json": {}}},
+                                                             **_ERRORS})
+    async def request_timeline(request_id: str):
+        """A request's timeline (engine/timeline.py): while it runs, if it
+        records one, and for the last --request-timelines N finished. Its id
+        is the response's `id` (with `-<i>` for prompt i of a several-prompt
+        completion)."""
+        timeline = core.timelines.get(request_id)
+        if timeline is None:
+            raise APIError(404, f"no timeline for request `{request_id}`: it is unknown, finished more than "
+                                f"--request-timelines ({core.args.request_timelines}) requests ago, or recorded none",
+                           "not_found_error", "request_id")
+        return timeline.to_dict()
+
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(req: TokenizeRequest):
         """Text (`prompt`) or chat `messages` -> token ids, as the endpoints would see them."""

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field, StrictInt
+from pydantic import BaseModel, Field
 
-from .protocol import PromptTokensDetails, RequestBody, random_id
+from .protocol import PromptInput, PromptTokensDetails, RequestBody, random_id
 
 MAX_INPUTS = 2048  # OpenAI's limit on the inputs of one request
 
@@ -21,7 +21,7 @@ class EmbeddingRequest(RequestBody):
     by name: the served model's vectors have its hidden size."""
 
     model: str | None = None
-    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    input: PromptInput
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None  # accepted, unused

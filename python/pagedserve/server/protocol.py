@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, WrapValidator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def random_id(prefix: str) -> str:
@@ -26,6 +27,20 @@ def _json_object_or_text(text: str):
     except ValueError:
         return text
     return value if isinstance(value, dict) else text
+
+
+def _one_prompt_error(value, handler):
+    """A prompt of none of its four shapes is one error at the field (not one
+    per shape, each named after pydantic's type tag, e.g. `prompt.str`)."""
+    try:
+        return handler(value)
+    except ValidationError:
+        raise PydanticCustomError("prompt_type", "must be a string, a list of strings, a list of token ids "
+                                                 "(integers) or a list of token-id lists") from None
+
+
+# completions' prompt and embeddings' input
+PromptInput = Annotated[str | list[StrictInt] | list[str] | list[list[StrictInt]], WrapValidator(_one_prompt_error)]
 
 
 class RequestBody(BaseModel):
@@ -104,6 +119,8 @@ class _Request(RequestBody):
     # vLLM's: per prompt token its logprob, rank and this many alternatives (not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
+    # PagedServe's extension: the response carries each prompt's timeline (engine/timeline.py), not with stream
+    timeline: bool = False
     guided_decoding_backend: str | None = None  # vLLM's: only xgrammar here ("auto" and "xgrammar" accepted)
     # accepted, either value: the detokenizer (tokenizers' fast decoder) never puts spaces between special tokens
     spaces_between_special_tokens: bool = True
@@ -144,7 +161,7 @@ class CompletionRequest(_Request):
     """POST /v1/completions body. prompt: a string, a list of strings, a list of
     token ids, or a list of token-id lists (one set of n choices per prompt)."""
 
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+    prompt: PromptInput
     # OpenAI's and vLLM's default here; 0 (scoring): with echo or prompt_logprobs, nothing generated
     max_tokens: int | None = Field(default=16, ge=0, le=2**31 - 1)
     echo: bool = False  # prepend the prompt to the text (and its logprobs, with logprobs)
@@ -293,6 +310,12 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
 
 
+# PagedServe's extension, with the request's `timeline: true`: one RequestTimeline.to_dict() per prompt
+# (engine/timeline.py); absent from the JSON otherwise
+def _timeline_field():
+    return Field(default=None, exclude_if=lambda v: v is None)
+
+
 class CompletionResponse(BaseModel):
     """A completion, or one streamed chunk of it (same object, as OpenAI sends)."""
 
@@ -302,6 +325,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    timeline: list[dict[str, Any]] | None = _timeline_field()
 
 
 class ChatResponseMessage(BaseModel):
@@ -341,6 +365,7 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: PromptLogprobs | None = None  # vLLM's, with the request's prompt_logprobs
+    timeline: list[dict[str, Any]] | None = _timeline_field()
 
 
 class ChatChunkChoice(BaseModel):

@@ -121,6 +121,10 @@ class OpenAIServing:
         if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
             refuse("guided_decoding_backend", f"{req.guided_decoding_backend!r} is not available: this server's "
                                               "structured outputs run on xgrammar (auto or xgrammar)")
+        if req.timeline and req.stream:
+            raise APIError(400, "`timeline` (PagedServe's extension) comes with a non-streamed response; a streamed "
+                                "request's is at GET /v1/requests/{id}/timeline under --request-timelines N",
+                           param="timeline")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
         if req.n > self.core.args.max_num_seqs:
@@ -161,16 +165,17 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
-    def truncate(self, req: _Request, ids: list[int]) -> list[int]:
+    def truncate(self, req: _Request, ids: list[int], keep_free: int = 0) -> list[int]:
         """The prompt's last req.truncate_prompt_tokens token ids (vLLM's
-        truncate_prompt_tokens: -1 keeps the last max_model_len; None keeps all).
+        truncate_prompt_tokens: -1 keeps the last max_model_len - keep_free,
+        the most the request can take; None keeps all).
         Raises APIError 400 for 0, a value below -1 or above max_model_len."""
         k = req.truncate_prompt_tokens
         if k is None:
             return ids
         limit = self.core.max_model_len
         if k == -1:
-            k = limit
+            k = limit - keep_free
         if not 1 <= k <= limit:
             raise APIError(400, f"truncate_prompt_tokens must be -1 or in [1, {limit}] (max_model_len), got "
                                 f"{req.truncate_prompt_tokens}", param="truncate_prompt_tokens")
@@ -209,9 +214,11 @@ class OpenAIServing:
 
     # ---- running requests -------------------------------------------------
     def _submit(self, prompts: list[list[int]], params: list[SamplingParams], request_id: str,
-                cache_salt: str | None, priority: int) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
+                cache_salt: str | None, priority: int, timeline: bool = False
+                ) -> tuple[list[str], list[AsyncIterator[RequestOutput]]]:
         ids = [request_id if len(prompts) == 1 else f"{request_id}-{i}" for i in range(len(prompts))]
-        return ids, [self.engine.generate(p, sp, rid, cache_salt, priority) for p, sp, rid in zip(prompts, params, ids)]
+        return ids, [self.engine.generate(p, sp, rid, cache_salt, priority, timeline)
+                     for p, sp, rid in zip(prompts, params, ids)]
 
     def _abort(self, ids: list[str]) -> None:
         for rid in ids:
@@ -252,14 +259,15 @@ class OpenAIServing:
             await asyncio.gather(*tasks, return_exceptions=True)
 
     async def generate_final(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
-                             request_id: str, cache_salt: str | None, priority: int = 0) -> list[RequestOutput]:
+                             request_id: str, cache_salt: str | None, priority: int = 0,
+                             timeline: bool = False) -> list[RequestOutput]:
         """Runs every prompt to its end; returns the final outputs in prompt order.
-        cache_salt, priority: as LLMEngine.add_request.
+        cache_salt, priority, timeline: as LLMEngine.add_request.
 
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority)
+        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority, timeline)
 
         async def consume() -> list[RequestOutput]:
             final = await self._first_outputs(gens)

@@ -278,7 +278,8 @@ class OpenAIServingChat(OpenAIServing):
             thinks = None if params.reasoning_ended else thinks
         request_id = response_id(raw, "chatcmpl")
         if not req.stream:
-            (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority)
+            (out,) = await self.generate_final(raw, [ids], [params], request_id, req.cache_salt, req.priority,
+                                               req.timeline)
             echo = self.echoed(req)
 
             def choice(c) -> ChatChoice:
@@ -296,7 +297,8 @@ class OpenAIServingChat(OpenAIServing):
                     prompt_lps = prompt_logprobs(out.prompt_logprobs or [], req.prompt_logprobs,
                                                  self.token_text_of(req))
                 return ChatCompletionResponse(id=request_id, model=self.model_name, usage=self.usage(out, thinks),
-                                              choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps)
+                                              choices=[choice(c) for c in out.outputs], prompt_logprobs=prompt_lps,
+                                              timeline=[out.timeline] if req.timeline else None)
 
             slow = req.logprobs or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()

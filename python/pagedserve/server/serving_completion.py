@@ -55,7 +55,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                        structured_outputs=constraint[0] if constraint else None) for p in prompts]
         request_id = response_id(raw, "cmpl")
         if not req.stream:
-            outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority)
+            outs = await self.generate_final(raw, prompts, params, request_id, req.cache_salt, req.priority,
+                                             req.timeline)
             if req.max_tokens == 0:
                 outs = [without_output(o) for o in outs]
 
@@ -63,7 +64,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices = [self._choice(i * req.n + c.index, out, c, req) for i, out in enumerate(outs)
                            for c in out.outputs]
                 return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                          usage=usage_of(outs))
+                                          usage=usage_of(outs),
+                                          timeline=[o.timeline for o in outs] if req.timeline else None)
 
             slow = req.logprobs is not None or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()

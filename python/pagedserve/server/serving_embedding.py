@@ -45,7 +45,7 @@ class OpenAIServingEmbedding(OpenAIServing):
             raise APIError(400, f"`input` holds {len(req.input)} inputs; at most {MAX_INPUTS} per request",
                            param="input")
         prompts = await run_in_threadpool(self.prompts, req.input, req.add_special_tokens, "input")
-        prompts = [self.truncate(req, p) for p in prompts]
+        prompts = [self.truncate(req, p, keep_free=1) for p in prompts]  # -1: max_model_len - 1, what fits
         for i, p in enumerate(prompts):
             if len(p) >= self.core.max_model_len:
                 raise APIError(400, f"embedding an input of {len(p)} tokens needs one token of the context free "

@@ -1,0 +1,142 @@
+"""Issue 31 part 1: per-request timelines. Through a tiny KV pool a request's
+timeline shows its chunked prefill, its preemption (with the scheduler's
+reason) and the recompute after it, and a second request with the same prompt
+shows its prefix-cache hit at its first step; the step numbers are the
+engine's. Over HTTP: `timeline: true` returns it with the response, GET
+/v1/requests/{id}/timeline shows a running request's, and a finished one's
+is gone without --request-timelines."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from pagedserve import LLM, SamplingParams
+from serverlib import MODEL
+
+BLOCK = 16
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _run(eng, on_step=None) -> dict:
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if on_step is not None:
+                on_step(out)
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+def test_chunked_prefill_preemption_recompute_and_prefix_hit(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8,
+              max_num_batched_tokens=BLOCK, request_timelines=4)
+    eng = llm.engine
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    a, b = _prompt(1, 40), _prompt(2, 40)
+    eng.add_request(a, params, "a")
+    eng.add_request(b, params, "b")
+    steps_run = []
+    final = _run(eng, on_step=lambda out: steps_run.append(eng.num_steps))
+    assert eng.num_preemptions > 0
+    timelines = {rid: out.timeline for rid, out in final.items()}
+    victims = [rid for rid, t in timelines.items() if t["num_preemptions"]]
+    assert victims, timelines
+    for rid, t in timelines.items():
+        assert t["status"] == "finished" and t["num_prompt_tokens"] == 40
+        steps = t["steps"]
+        assert [s["step"] for s in steps] == sorted({s["step"] for s in steps})  # one entry per step (n = 1)
+        assert all(1 <= s["step"] <= eng.num_steps for s in steps)
+        first_prefill = [s for s in steps if s["phase"] == "prefill"]
+        # the prompt's chunks: at most 16 tokens each, contiguous, covering the 40 prompt tokens once
+        assert first_prefill[0]["num_computed_tokens"] == 0
+        assert all(s["num_scheduled_tokens"] <= BLOCK for s in first_prefill)
+        assert sum(s["num_scheduled_tokens"] for s in first_prefill) >= 40
+        decodes = [s for s in steps if s["phase"] == "decode"]
+        assert all(s["num_scheduled_tokens"] == 1 for s in decodes)
+        assert t["num_output_tokens"] == [60]
+        assert 0 <= t["queue_time_s"] <= t["ttft_s"] <= t["e2e_s"] and t["tpot_s"] > 0
+        assert max(s["num_blocks"] for s in steps) == t["peak_num_blocks"] <= 8
+        assert t["events"][-1]["event"] == "finished" and t["events"][-1]["finish_reasons"] == ["length"]
+    v = timelines[victims[0]]
+    preempted = [e for e in v["events"] if e["event"] == "preempted"]
+    recomputes = [e for e in v["events"] if e["event"] == "recompute"]
+    assert preempted[0]["reason"] == "kv_blocks" and len(recomputes) == v["num_preemptions"] == len(preempted)
+    # the recompute is the victim's first step after the preemption, and recomputes what it had
+    for p, r in zip(preempted, recomputes):
+        after = [s for s in v["steps"] if s["step"] >= p["step"]]
+        assert after[0]["step"] == r["step"] > p["step"]
+        before = [s for s in v["steps"] if s["step"] < p["step"]][-1]
+        had = before["num_computed_tokens"] + before["num_scheduled_tokens"]
+        assert r["num_tokens_to_recompute"] == had - after[0]["num_computed_tokens"] > 0
+        assert after[0]["phase"] == "recompute"
+    # a third request with a's prompt reads a's full blocks from the prefix cache at its first step
+    eng.add_request(a, params, "c")
+    c = _run(eng)["c"].timeline
+    hit = [e for e in c["events"] if e["event"] == "prefix_cache_hit"]
+    # (as many of its 2 full blocks as the 8-block pool still holds after b)
+    assert hit and hit[0]["step"] == c["steps"][0]["step"] and hit[0]["num_tokens"] in (16, 32)
+    assert c["steps"][0]["num_computed_tokens"] == hit[0]["num_tokens"] == c["num_cached_tokens"]
+    # kept: the last 4 finished
+    assert eng.timelines.get("a") is not None and eng.timelines.get("c") is not None
+
+
+def test_off_by_default_records_nothing(tiny_llama_dir):
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True)
+    out = llm.generate([_prompt(3, 20)], SamplingParams(max_tokens=4), use_tqdm=False)[0]
+    assert out.timeline is None and not llm.engine.timelines.live and not llm.engine.timelines.finished
+    eng = llm.engine
+    eng.add_request(_prompt(3, 20), SamplingParams(max_tokens=4), "asked", timeline=True)
+    assert _run(eng)["asked"].timeline["status"] == "finished"
+    assert eng.timelines.get("asked") is None  # nothing kept without request_timelines
+
+
+def test_timeline_over_http(server):
+    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "timeline": True}
+    r = httpx.post(server + "/v1/completions", json=body, timeout=60).json()
+    (t,) = r["timeline"]
+    assert t["request_id"] == r["id"] and t["status"] == "finished"
+    assert t["num_output_tokens"] == [r["usage"]["completion_tokens"]]
+    assert t["steps"][0]["phase"] == "prefill" and t["steps"][-1]["phase"] == "decode"
+    plain = httpx.post(server + "/v1/completions", json={**body, "timeline": False}, timeout=60).json()
+    assert "timeline" not in plain
+    chat = httpx.post(server + "/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "timeline": True}).json()
+    assert chat["timeline"][0]["request_id"] == chat["id"]
+    # finished, and this server keeps none (--request-timelines 0)
+    gone = httpx.get(f"{server}/v1/requests/{r['id']}/timeline", timeout=10)
+    assert gone.status_code == 404 and gone.json()["error"]["param"] == "request_id"
+    refused = httpx.post(server + "/v1/completions", json={**body, "stream": True}, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "timeline"
+
+
+def test_running_request_timeline(server):
+    done = {}
+
+    def long_request():
+        done["r"] = httpx.post(server + "/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "Count:", "max_tokens": 400, "ignore_eos": True, "timeline": True})
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    seen = None
+    deadline = time.time() + 60
+    while time.time() < deadline and thread.is_alive() and seen is None:
+        for rid in httpx.get(server + "/v1/requests", timeout=10).json()["running"]:
+            got = httpx.get(f"{server}/v1/requests/{rid}/timeline", timeout=10)
+            if got.status_code == 200 and len(got.json()["steps"]) > 3:
+                seen = got.json()
+        time.sleep(0.05)
+    thread.join()
+    assert seen is not None and seen["status"] == "running" and "e2e_s" not in seen
+    final = done["r"].json()["timeline"][0]
+    assert final["request_id"] == seen["request_id"] == done["r"].json()["id"]
+    assert final["steps"][:len(seen["steps"])] == seen["steps"]  # the live view was a prefix of the whole
