@@ -151,6 +151,10 @@ class EngineArgs:
         "record every request's timeline (the steps it ran in, its prefill chunks, preemptions, prefix-cache hits, "
         "blocks held, latencies) and keep the last N finished ones for GET /v1/requests/{id}/timeline; 0 = only "
         "requests that ask (\"timeline\": true) record theirs", metavar="N"))
+    trace_steps: str | None = field(default=None, metadata=_arg(
+        "write every call into the scheduler and each step's decision (SchedulerOutput) and time to this file as "
+        "JSON lines; `pagedserve replay FILE` re-runs it through the C++ scheduler without the model and checks "
+        "every decision is reproduced", metavar="PATH"))
     embedding_pooling: str = field(default="last", metadata=_arg(
         "how /v1/embeddings (and LLM.embed) pool the model's final hidden states into one unit vector: last = the "
         "prompt's last token (a prefix-cache hit skips the rest), mean = the mean over every prompt token (computes "

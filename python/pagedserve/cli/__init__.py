@@ -3,6 +3,7 @@
     pagedserve serve [MODEL] [flags]     the OpenAI-compatible server (python -m pagedserve.server)
     pagedserve chat [--url URL] [flags]  a terminal chat, against a server or a model loaded in-process
     pagedserve bench NAME [flags]        a benchmark (throughput, attention, prefix-cache)
+    pagedserve replay TRACE [flags]      re-run a --trace-steps file through the scheduler, check each decision
     pagedserve --version
 """
 
@@ -20,6 +21,8 @@ COMMANDS = {
     "chat": Command("chat in the terminal, with a running server (--url) or a model loaded in-process",
                     "pagedserve.cli.chat:main"),
     "bench": Command(f"run a benchmark: {', '.join(BENCHMARKS)}", "pagedserve.cli.bench:main"),
+    "replay": Command("re-run a step trace (--trace-steps) through the scheduler without the model and check "
+                      "every decision", "pagedserve.experiments.replay:main"),
 }
 
 
