@@ -208,7 +208,17 @@ PYBIND11_MODULE(_core, m) {
       .def("free", &KVCacheManager::free, py::arg("seq_id"))
       .def("block_table", &KVCacheManager::block_table, py::arg("seq_id"),
            py::return_value_policy::copy)
-      .def("num_tokens", &KVCacheManager::num_tokens, py::arg("seq_id"));
+      .def("num_tokens", &KVCacheManager::num_tokens, py::arg("seq_id"))
+      .def("block_map", [](const KVCacheManager& kv) {
+             // (states uint8 [N], refcounts int32 [N], hash_prefixes uint64 [N]), copies as numpy arrays
+             KVBlockMap map = kv.block_map();
+             return py::make_tuple(py::array_t<uint8_t>(map.states.size(), map.states.data()),
+                                   py::array_t<int32_t>(map.refcounts.size(), map.refcounts.data()),
+                                   py::array_t<uint64_t>(map.hash_prefixes.size(), map.hash_prefixes.data()));
+           },
+           "The pool block by block: (states [num_blocks] uint8: 0 free, 1 evictable (cached, refcount 0), 2 in "
+           "use, 3 in use and cached; refcounts [num_blocks] int32; hash_prefixes [num_blocks] uint64, the first 8 "
+           "bytes of each block's prefix-cache hash, 0 for none)");
 
   py::enum_<FinishReason>(m, "FinishReason")
       .value("NONE", FinishReason::kNone)
@@ -351,7 +361,13 @@ PYBIND11_MODULE(_core, m) {
       .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"), py::arg("index") = 0)
       .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
                              py::return_value_policy::reference_internal)
-      .def_property_readonly("config", &Scheduler::config);
+      .def_property_readonly("config", &Scheduler::config)
+      .def("block_owners", &Scheduler::block_owners);
+
+  py::class_<BlockOwner>(m, "BlockOwner")
+      .def_readonly("request_id", &BlockOwner::request_id)
+      .def_readonly("index", &BlockOwner::index)
+      .def_readonly("block_ids", &BlockOwner::block_ids);
 
   // Each compiled backend's functions under _core.<backend> (binding_registry.h).
   for (const BackendBinding* b : backend_bindings()) {

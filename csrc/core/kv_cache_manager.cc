@@ -18,6 +18,28 @@ KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size, bool enab
   pool_.set_evict_callback([this](int32_t block) { prefix_cache_.erase_block(block); });
 }
 
+KVBlockMap KVCacheManager::block_map() const {
+  const int32_t n = num_blocks();
+  KVBlockMap m;
+  m.states.resize(n);
+  m.refcounts.resize(n);
+  m.hash_prefixes.resize(n);
+  for (int32_t b = 0; b < n; ++b) {
+    const int32_t refs = pool_.refcount(b);
+    const uint64_t hash = prefix_cache_.hash_prefix(b);
+    m.refcounts[b] = refs;
+    m.hash_prefixes[b] = hash;
+    BlockState s = BlockState::kFree;
+    if (refs > 0) {
+      s = prefix_cache_.is_cached(b) ? BlockState::kInUseCached : BlockState::kInUse;
+    } else if (pool_.is_evictable(b)) {
+      s = BlockState::kEvictable;
+    }
+    m.states[b] = static_cast<uint8_t>(s);
+  }
+  return m;
+}
+
 double KVCacheManager::usage() const {
   return 1.0 - static_cast<double>(num_free_blocks()) / num_blocks();
 }

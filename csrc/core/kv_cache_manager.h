@@ -30,6 +30,20 @@ struct PrefixMatch {
   int32_t num_tokens(int32_t block_size) const { return static_cast<int32_t>(block_ids.size()) * block_size; }
 };
 
+// A block's state in KVBlockMap.
+enum class BlockState : uint8_t {
+  kFree = 0,        // on the free list
+  kEvictable = 1,   // refcount 0 but holds a prefix-cache entry: reusable until evicted
+  kInUse = 2,       // held by sequences (refcount > 0)
+  kInUseCached = 3  // held, and registered in the prefix cache (new sequences can share it)
+};
+
+struct KVBlockMap {
+  std::vector<uint8_t> states;          // [num_blocks] BlockState
+  std::vector<int32_t> refcounts;       // [num_blocks]
+  std::vector<uint64_t> hash_prefixes;  // [num_blocks] 0: no prefix-cache entry
+};
+
 class KVCacheManager {
  public:
   // num_blocks > 0; block_size in {16, 32} for the model path (any value > 0 is
@@ -105,6 +119,9 @@ class KVCacheManager {
   const BlockTable& block_table(int64_t seq_id) const;
   int32_t num_tokens(int64_t seq_id) const;
   const BlockPool& block_pool() const { return pool_; }
+  // The pool block by block (the KV map of GET /v1/kv): each block's
+  // BlockState, refcount and prefix-cache hash prefix (PrefixCache::hash_prefix).
+  KVBlockMap block_map() const;
   PrefixCache& prefix_cache() { return prefix_cache_; }
 
  private:

@@ -64,6 +64,14 @@ bool PrefixCache::is_cached(int32_t block_id) const {
   return entries_[block_id].has_value();
 }
 
+uint64_t PrefixCache::hash_prefix(int32_t block_id) const {
+  check_block(block_id);
+  if (!entries_[block_id].has_value()) return 0;
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v = (v << 8) | entries_[block_id]->hash[i];
+  return v;
+}
+
 void PrefixCache::check_block(int32_t block_id) const {
   if (block_id < 0 || static_cast<size_t>(block_id) >= entries_.size()) {
     throw BlockPoolError("block id " + std::to_string(block_id) + " out of range [0, " +

@@ -57,6 +57,8 @@ class PrefixCache {
   // Forgets block_id's hash (eviction). No-op if it has none.
   void erase_block(int32_t block_id);
   bool is_cached(int32_t block_id) const;
+  // The first 8 bytes of block_id's hash as a big-endian integer, 0 when it holds none.
+  uint64_t hash_prefix(int32_t block_id) const;
   size_t size() const { return map_.size(); }
 
   // Replaces the hash function (tests force collisions with it).

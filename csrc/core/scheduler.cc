@@ -160,6 +160,18 @@ bool Scheduler::preempt_for(const Sequence& seq, int32_t num_tokens, const Prefi
   return true;
 }
 
+std::vector<BlockOwner> Scheduler::block_owners() const {
+  std::vector<BlockOwner> owners;
+  const auto add = [&](const SeqPtr& seq) {
+    if (kv_.has_sequence(seq->seq_id)) {
+      owners.push_back({seq->request_id, seq->index, kv_.block_table(seq->seq_id).block_ids()});
+    }
+  };
+  for (const SeqPtr& seq : running_) add(seq);
+  for (const SeqPtr& seq : waiting_) add(seq);  // none hold blocks today (preemption frees all); kept general
+  return owners;
+}
+
 std::shared_ptr<SchedulerOutput> Scheduler::schedule() {
   auto out = std::make_shared<SchedulerOutput>();
   std::vector<std::pair<SeqPtr, int32_t>> scheduled;

@@ -63,6 +63,13 @@ struct PrefixCacheStats {
   int64_t evictions = 0;  // cached blocks evicted to make room
 };
 
+// One sequence's blocks (Scheduler::block_owners).
+struct BlockOwner {
+  std::string request_id;
+  int32_t index = 0;               // choice index within its request
+  std::vector<int32_t> block_ids;  // its block table
+};
+
 class Scheduler {
  public:
   // Throws InvalidArgumentError on a bad config (a limit < 1, a watermark out of range).
@@ -145,6 +152,9 @@ class Scheduler {
   std::vector<int32_t> output_token_ids(const std::string& request_id, int32_t index = 0) const;
   const KVCacheManager& kv_cache_manager() const { return kv_; }
   const SchedulerConfig& config() const { return config_; }
+  // Every sequence that holds KV blocks (running ones, in queue order), with
+  // its block table: with KVCacheManager::block_map, who owns each block.
+  std::vector<BlockOwner> block_owners() const;
 
  private:
   using SeqPtr = std::shared_ptr<Sequence>;

@@ -80,6 +80,20 @@ class AsyncLLMEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def call(self, fn):
+        """Runs fn() on the engine thread between two steps (where the engine's
+        state is consistent and nothing else touches it) and returns its result
+        (or raises its exception)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def deliver(ok: bool, value) -> None:
+            if not future.done():
+                (future.set_result if ok else future.set_exception)(value)
+
+        self._send(("call", fn, loop, deliver))
+        return await future
+
     def abort(self, request_id: str) -> None:
         """Asks the engine thread to abort a request (no-op if it already ended)."""
         self._send(("abort", request_id))
@@ -115,6 +129,14 @@ class AsyncLLMEngine:
             try:
                 if msg[0] == "add":
                     self.engine.add_request(msg[2], msg[3], request_id, msg[4], msg[5], msg[6])
+                elif msg[0] == "call":
+                    _, fn, loop, deliver = msg
+                    try:
+                        result, ok = fn(), True
+                    except Exception as e:  # handed to the caller
+                        result, ok = e, False
+                    loop.call_soon_threadsafe(deliver, ok, result)
+                    continue
                 elif msg[0] == "abort_all":
                     for out in self.engine.abort_all():
                         self._deliver(out.request_id, out)

@@ -22,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 
 from .. import __version__
 from ..engine.async_engine import AsyncLLMEngine
+from ..engine.kv_map import kv_map
 from .anthropic_protocol import (
     AnthropicError,
     CountTokensRequest,
@@ -185,6 +186,13 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     @app.post("/v1/messages/count_tokens", response_model=CountTokensResponse, responses=_ANTHROPIC_ERRORS)
     async def anthropic_count_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
+
+    @app.get("/v1/kv", responses={200: {"content": {"application/json": {}}}, 401: _ERRORS[401]})
+    async def kv(hashes: bool = False):
+        """The KV block pool block by block (engine/kv_map.py), read on the
+        engine thread between two steps; hashes=true adds each cached block's
+        prefix-cache hash prefix."""
+        return await engine.call(lambda: kv_map(core.scheduler, hashes))
 
     @app.get("/v1/requests", responses={200: {"content": {"application/json": {}}}, 401: _ERRORS[401]})
     async def request_ids():
