@@ -161,3 +161,76 @@ def test_page_asks_for_the_api_key_and_retries(page, keyed_server):
     expect(page.locator("#model")).to_have_text(MODEL)
     expect(page.locator(".message.user")).to_have_count(1)
     assert page.evaluate("sessionStorage.getItem('pagedserve.apiKey')") == API_KEY
+
+
+def _kv(page) -> dict:
+    """The KV panel's numbers (the data-* attributes of its canvas, set at each poll)."""
+    return page.locator("#kv-map").evaluate("c => Object.fromEntries(Object.entries(c.dataset).map("
+                                            "([k, v]) => [k, Number(v)]))")
+
+
+def _wait_kv(page, what: str, predicate, timeout: float = 30.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        kv = _kv(page)
+        if kv and predicate(kv):
+            return kv
+        assert time.monotonic() < deadline, f"the KV panel never showed {what}: last {kv}"
+        time.sleep(0.1)
+
+
+def test_kv_panel_follows_a_stream_its_stop_and_a_prefix_hit(page, server):
+    """Issue 31: the KV map panel changes while a long answer streams, shows its
+    blocks freed when it is stopped, and shows a prefix hit as shared cells."""
+    import threading
+
+    import httpx
+
+    page.goto(server + "/")
+    idle = _wait_kv(page, "the pool", lambda kv: kv.get("numBlocks", 0) > 0 and kv["inUse"] == 0)
+    expect(page.locator("#kv-summary")).to_contain_text(f"{idle['numBlocks']} blocks x 16 tokens")
+    settings(page, temperature="0", max_tokens="1000")
+    send(page, "Write a very long story about a dragon.")
+    first = _wait_kv(page, "the streaming answer's blocks", lambda kv: kv["inUse"] > 0)
+    grown = _wait_kv(page, "the answer's blocks grow", lambda kv: kv["inUse"] > first["inUse"], timeout=60)
+    screenshot(page, "kv_panel_streaming")
+    page.click("#stop")
+    expect(page.locator("#status")).to_have_text("Stopped")
+    freed = _wait_kv(page, "the blocks freed", lambda kv: kv["inUse"] == 0 and kv["owners"] == 0)
+    assert freed["cached"] >= grown["inUse"] - 1  # its full blocks stay in the prefix cache, evictable
+
+    # two requests with one long prompt: the second reads the first's full blocks, which both then hold
+    prompt = "Here is a long shared preamble about the sea and its ships. " * 12
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 300, "ignore_eos": True}
+    threads = [threading.Thread(target=httpx.post, args=(server + "/v1/completions",),
+                                kwargs={"json": body, "timeout": 120}) for _ in range(2)]
+    threads[0].start()
+    _wait_kv(page, "the first request", lambda kv: kv["inUse"] > 0)
+    threads[1].start()
+    shared = _wait_kv(page, "shared cells", lambda kv: kv["shared"] > 0 and kv["owners"] == 2)
+    assert shared["shared"] >= 5  # the preamble's full 16-token blocks
+    screenshot(page, "kv_panel_prefix_hit")
+    for t in threads:
+        t.join()
+    _wait_kv(page, "the pool idle again", lambda kv: kv["inUse"] == 0)
+
+
+def test_kv_panel_draws_a_pool_of_100k_blocks(page, tiny_tools_server):
+    """The tiny model's default KV memory is 131,072 blocks: the panel draws
+    them (one pixel per block on a 240 x 547 canvas) and stays responsive."""
+    base, _ = tiny_tools_server
+    page.goto(base + "/")
+    kv = _wait_kv(page, "the pool", lambda kv: kv.get("numBlocks", 0) >= 100_000)
+    timing = page.evaluate("""async () => {
+        const { draw } = await import('./static/kvmap.js');
+        const m = await (await fetch('v1/kv')).json();
+        const canvas = document.createElement('canvas');
+        const t0 = performance.now();
+        const { cell, perCell } = draw(canvas, m);
+        return { ms: performance.now() - t0, cell, perCell, height: canvas.height, n: m.num_blocks };
+    }""")
+    assert timing["n"] == kv["numBlocks"] and timing["perCell"] == 1 and timing["cell"] == 1
+    assert timing["height"] == -(-timing["n"] // 240)
+    assert timing["ms"] < 500, timing  # one redraw, on a busy 2-core machine
+    print(f"KV map of {timing['n']} blocks drawn in {timing['ms']:.0f} ms")
+    screenshot(page, "kv_panel_131072_blocks")

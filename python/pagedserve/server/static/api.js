@@ -36,6 +36,13 @@ async function errorOf(response) {
   }
 }
 
+/** GETs `path` (relative to the page) with the API key; its parsed JSON body. */
+export async function getJson(path) {
+  const response = await fetch(path, { headers: headers(), cache: "no-store" });
+  if (!response.ok) throw await errorOf(response);
+  return response.json();
+}
+
 /** The ids of the served models (GET /v1/models). */
 export async function listModels() {
   const response = await fetch("v1/models", { headers: headers() });

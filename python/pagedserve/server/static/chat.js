@@ -3,6 +3,7 @@
 // settings, the API-key prompt and the live panel.
 
 import { ApiError, listModels, setApiKey, streamChat } from "./api.js";
+import { pollKvMap } from "./kvmap.js";
 import { pollMetrics } from "./metrics.js";
 
 const $ = (id) => document.getElementById(id);
@@ -174,3 +175,4 @@ $("key-form").addEventListener("submit", (event) => {
 
 loadModel();
 pollMetrics(showMetrics);
+pollKvMap();
