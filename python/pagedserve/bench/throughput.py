@@ -95,6 +95,34 @@ def constrained_row(llm, prompts, params, outs, k: int) -> None:
           f"cost {100 * (1 - ratio):.1f}%); unconstrained requests unchanged: {free}/{len(prompts) - k}")
 
 
+def introspection_row(llm, prompts, params, repeat: int) -> None:
+    """Times the same engine with introspection off and on (timelines of every
+    request kept, a step trace written to a temporary file), alternating, best
+    of `repeat` each, and prints the overhead."""
+    import tempfile
+
+    from ..engine.step_trace import TracingScheduler
+
+    eng = llm.engine
+    plain, keep = eng.scheduler, eng.timelines.keep
+    with tempfile.TemporaryDirectory() as tmp:
+        kv = plain.kv_cache_manager
+        traced = TracingScheduler(plain, plain.config, kv.num_blocks, kv.block_size, f"{tmp}/steps.jsonl")
+        best = {"off": float("inf"), "on": float("inf")}
+        try:
+            for _ in range(repeat):
+                for mode in ("off", "on"):
+                    eng.scheduler, eng.timelines.keep = (traced, len(prompts)) if mode == "on" else (plain, keep)
+                    t0 = time.perf_counter()
+                    llm.generate(prompts, params, use_tqdm=False)
+                    best[mode] = min(best[mode], time.perf_counter() - t0)
+        finally:
+            eng.scheduler, eng.timelines.keep = plain, keep
+            traced.close()
+    print(f"introspection (timelines of every request + step trace), best of {repeat} alternating runs: "
+          f"off {best['off']:.2f} s, on {best['on']:.2f} s, overhead {100 * (best['on'] / best['off'] - 1):+.1f}%")
+
+
 def perplexity_text() -> str:
     """The fixed English text (about 400 words, written for this benchmark) whose perplexity is reported."""
     return (resources.files("pagedserve.bench") / "data" / "perplexity.txt").read_text()
@@ -156,6 +184,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--constrained", type=int, default=0, metavar="K",
                     help="also run PagedServe with K of the requests under a grammar (structured outputs: a regex "
                          "of words), the others as before, and print what the constraint costs")
+    ap.add_argument("--introspection", action="store_true",
+                    help="also run PagedServe alternately with and without issue 31's introspection (every request's "
+                         "timeline recorded and kept, every scheduler call written to a step trace) and print the "
+                         "overhead, best of --repeat runs each")
     args = ap.parse_args(argv)
     if args.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {args.repeat}")
@@ -211,6 +243,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     same = sum(o.outputs[0].token_ids == s for o, s in zip(outs, static))
     if args.constrained:
         constrained_row(llm, prompts, params, outs, args.constrained)
+
+    if args.introspection:
+        introspection_row(llm, prompts, params, args.repeat)
 
     static_tps = next(r[2] for r in rows if "static" in r[0])
     eng = llm.engine
