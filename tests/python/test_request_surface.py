@@ -36,6 +36,8 @@ HONOURED = {
     # structured outputs (test_structured_outputs.py) and tools (test_tool_calls.py)
     "response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs",
     "tools", "tool_choice", "parallel_tool_calls",
+    # PagedServe's extension: the request's timeline in the response (test_timeline.py)
+    "timeline",
 }
 # accepted because they cannot change the text (or are refused in the cases where they would)
 HARMLESS = {"user", "store", "metadata", "service_tier", "prediction", "function_call",

@@ -101,3 +101,31 @@ def test_replay_command(trace, tmp_path):
     err = subprocess.run([sys.executable, "-m", "pagedserve.cli", "replay", str(not_a_trace)], capture_output=True,
                          text=True)
     assert err.returncode == 2 and "not a step trace" in err.stderr
+
+
+def test_bad_traces_and_options_exit_2_with_file_and_line(trace, tmp_path):
+    path, _ = trace
+    lines = open(path).read().splitlines()
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "pagedserve.cli", "replay", *args], capture_output=True,
+                              text=True)
+
+    cases = {
+        "cut.jsonl": "\n".join(lines[:40]) + "\n" + lines[40][:len(lines[40]) // 2],  # cut mid-line
+        "list.jsonl": lines[0] + "\n[1, 2]\n",
+        "first.jsonl": '"config"\n',
+        "blocks.jsonl": lines[0].replace('"num_blocks":10', '"num_blocks":"x"') + "\n",
+        "reason.jsonl": lines[0] + '\n{"op":"finish_sequence","request_id":"a","index":0,"reason":"BOGUS"}\n',
+        "types.jsonl": lines[0] + '\n{"op":"abort","request_id":[1]}\n',
+    }
+    for name, text in cases.items():
+        f = tmp_path / name
+        f.write_text(text)
+        r = run(str(f))
+        assert r.returncode == 2 and "Traceback" not in r.stderr and str(f) in r.stderr, (name, r.stderr)
+    cut = run(str(tmp_path / "cut.jsonl"))
+    assert f"cut.jsonl:{41}:" in cut.stderr and "cut short" in cut.stderr
+    for opts in (["--num-kv-blocks", "0"], ["--step-cost", str(tmp_path / "missing.json")]):
+        r = run(path, *opts)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (opts, r.stderr)

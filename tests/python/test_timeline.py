@@ -140,3 +140,23 @@ def test_running_request_timeline(server):
     final = done["r"].json()["timeline"][0]
     assert final["request_id"] == seen["request_id"] == done["r"].json()["id"]
     assert final["steps"][:len(seen["steps"])] == seen["steps"]  # the live view was a prefix of the whole
+
+
+def test_refused_requests_record_nothing_and_client_ids_are_found(tiny_llama_dir):
+    from pagedserve import PoolingParams
+    from pagedserve.engine.timeline import Timelines
+
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=4,
+              request_timelines=2)
+    eng = llm.engine
+    with pytest.raises(ValueError):  # more blocks than the pool: the scheduler refuses it
+        eng.add_request(_prompt(7, 100), SamplingParams(max_tokens=2), "refused", timeline=True)
+    assert not eng.timelines.live and eng.timelines.get("refused") is None
+    eng.add_request(_prompt(8, 10), PoolingParams(), "embedding")
+    _run(eng)
+    assert eng.timelines.get("embedding").to_dict()["ttft_s"] is None  # an embedding has no first token
+    assert eng.timelines.get("embedding").to_dict()["num_output_tokens"] == [0]
+    # the server's engine id for a client's X-Request-Id "abc" is "cmpl-abc-<8 hex>"; the response id finds it
+    tl = Timelines(2)
+    tl.start("cmpl-abc-0123abcd", 3, 0.0)
+    assert tl.get("cmpl-abc") is tl.get("cmpl-abc-0123abcd") is not None and tl.get("cmpl-ab") is None

@@ -336,8 +336,6 @@ class LLMEngine:
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)
         req.priority = priority
-        if self.timelines.wants(timeline):
-            req.timeline = self.timelines.start(request_id, len(ids), req.arrival_time)
         if pooling is not None:
             req.pooler = Pooler(pooling, len(ids))
         stop = _core.StopCriteria(params.max_tokens, params.ignore_eos, self.eos_token_ids,
@@ -346,6 +344,8 @@ class LLMEngine:
         self.scheduler.add_request(request_id, ids, stop, cache_salt or "", params.n,
                                    params.prompt_logprobs is not None or (
                                        pooling is not None and pooling.pooling_type == "mean"), priority)
+        if self.timelines.wants(timeline):  # after the scheduler took it: a refused request records nothing
+            req.timeline = self.timelines.start(request_id, len(ids), req.arrival_time)
         self.requests[request_id] = req
         return request_id
 
@@ -418,6 +418,7 @@ class LLMEngine:
             if lp is not None:
                 logprob_of[slot] = Logprob(tok, lp, top or [])
         kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids, logits, slot_rows, logprob_of)
+        self.timelines.drafts_kept(kept)
 
         touched: dict[str, Request] = {}
         num_dropped = 0  # embedding requests' tokens: sampled to end the prefill, not output

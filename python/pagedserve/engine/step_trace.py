@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import time
 
-from .. import _core
 
 # SchedulerOutput's fields, as the trace records them (every array as a list)
 DECISION_FIELDS = ("request_ids", "seq_indices", "num_scheduled_tokens", "num_computed_tokens", "num_draft_tokens",
@@ -128,7 +127,3 @@ class TracingScheduler:
                   "step_time_s": elapsed}
         return self._call(record, self._scheduler.update, sampled_token_ids)
 
-
-def finish_reason(name: str):
-    """_core.FinishReason from its name in a trace."""
-    return getattr(_core.FinishReason, name)

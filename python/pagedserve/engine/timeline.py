@@ -65,6 +65,13 @@ class RequestTimeline:
         self.steps.append([step, t, index, phase, num_computed_tokens, num_scheduled_tokens, num_draft_tokens,
                            num_blocks])
 
+    def on_drafts_kept(self, index: int, num_kept: int) -> None:
+        """Choice `index` kept num_kept of the drafts its last step verified:
+        they are computed too (a recompute after a preemption redoes them)."""
+        if index in self._last_end:
+            self._last_end[index] += num_kept
+            self._high[index] = max(self._high[index], self._last_end[index])
+
     def on_preempted(self, step: int, now: float, reason: str) -> None:
         """A sequence of the request lost its KV blocks while step `step` was
         scheduled (reason: the scheduler's, "kv_blocks" or "priority")."""
@@ -80,6 +87,9 @@ class RequestTimeline:
         n = max(outputs, default=0)
         self.events.append({"step": step, "t": now - self.arrival_time, "event": "finished",
                             "finish_reasons": [c.finish_reason for c in req.choices]})
+        if req.pooler is not None:  # an embedding request: no output tokens (its one sampled token is dropped)
+            first = last = None
+            outputs = [0]
         self.summary = {
             "queue_time_s": None if req.first_scheduled_time is None else req.first_scheduled_time - self.arrival_time,
             "ttft_s": None if first is None else first - self.arrival_time,
@@ -141,6 +151,13 @@ class Timelines:
             if (tl := self.live.get(rid)) is not None:
                 tl.on_scheduled(step, now, index[b], computed[b], scheduled[b], drafts[b], offsets[b + 1] - offsets[b])
 
+    def drafts_kept(self, kept: dict) -> None:
+        """The step's kept speculative drafts, {(request_id, index): [(token, logprob), ...]}."""
+        if self.live:
+            for (rid, index), tokens in kept.items():
+                if tokens and (tl := self.live.get(rid)) is not None:
+                    tl.on_drafts_kept(index, len(tokens))
+
     def finish(self, req, step: int) -> RequestTimeline | None:
         """Ends the request's timeline (if it has one) and keeps it among the
         last `keep` finished; returns it."""
@@ -155,5 +172,16 @@ class Timelines:
         return tl
 
     def get(self, request_id: str) -> RequestTimeline | None:
-        """The timeline of a running request or of one of the last `keep` finished."""
-        return self.live.get(request_id) or self.finished.get(request_id)
+        """The timeline of a running request or of one of the last `keep` finished,
+        by its engine id or by the response id of a request whose client chose
+        its X-Request-Id (the engine id then carries an 8-hex-digit suffix: the
+        most recent such request)."""
+        found = self.live.get(request_id) or self.finished.get(request_id)
+        if found is not None:
+            return found
+        for store in (self.live, self.finished):
+            for rid in reversed(list(store)):
+                tail = rid[len(request_id) + 1:]
+                if rid.startswith(request_id + "-") and len(tail) == 8 and all(c in "0123456789abcdef" for c in tail):
+                    return store.get(rid)
+        return None

@@ -201,7 +201,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
         timelines = core.timelines
         return {"running": list(timelines.live), "finished": list(timelines.finished)}
 
-    @app.get("/v1/requests/{request_id}/timeline", responses={200: {"content": {"application/json": {}}},
+    @app.get("/v1/requests/{request_id:path}/timeline", responses={200: {"content": {"application/json": {}}},
                                                              **_ERRORS})
     async def request_timeline(request_id: str):
         """A request's timeline (engine/timeline.py): while it runs, if it
@@ -210,7 +210,8 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
         completion)."""
         timeline = core.timelines.get(request_id)
         if timeline is None:
-            raise APIError(404, f"no timeline for request `{request_id}`: it is unknown, finished more than "
+            shown = request_id if len(request_id) <= 100 else request_id[:100] + "..."
+            raise APIError(404, f"no timeline for request `{shown}`: it is unknown, finished more than "
                                 f"--request-timelines ({core.args.request_timelines}) requests ago, or recorded none",
                            "not_found_error", "request_id")
         return timeline.to_dict()

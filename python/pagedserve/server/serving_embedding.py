@@ -54,14 +54,15 @@ class OpenAIServingEmbedding(OpenAIServing):
                                     f"{self.core.max_model_len - 1} or a shorter input",
                                param="input" if len(prompts) == 1 else f"input[{i}]")
         params = PoolingParams(self.core.args.embedding_pooling, normalize=req.normalize)
+        request_id = response_id(raw, "embd")
         outputs: list[PoolingRequestOutput] = await self.generate_final(
-            raw, prompts, [params] * len(prompts), response_id(raw, "embd"), None, req.priority)
+            raw, prompts, [params] * len(prompts), request_id, None, req.priority)
         if any(o.embedding is None for o in outputs):
             raise APIError(503, "the engine stopped before every input was embedded", "service_unavailable")
         data = await run_in_threadpool(lambda: [EmbeddingData(index=i, embedding=encode_embedding(
             o.embedding, req.encoding_format)) for i, o in enumerate(outputs)])
         prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
         cached = sum(o.num_cached_tokens for o in outputs)
-        return EmbeddingResponse(model=self.model_name, data=data,
+        return EmbeddingResponse(id=request_id, model=self.model_name, data=data,
                                  usage=EmbeddingUsage(prompt_tokens=prompt_tokens, total_tokens=prompt_tokens,
                                                       prompt_tokens_details=PromptTokensDetails(cached_tokens=cached)))
