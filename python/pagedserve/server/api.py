@@ -187,7 +187,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
     async def anthropic_count_tokens(req: CountTokensRequest):
         return await messages.count_tokens(req)
 
-    @app.get("/v1/kv", responses={200: {"content": {"application/json": {}}}, 401: _ERRORS[401]})
+    @app.get("/v1/kv", responses={200: {"content": {"application/json": {}}}, 400: _ERRORS[400], 401: _ERRORS[401]})
     async def kv(hashes: bool = False):
         """The KV block pool block by block (engine/kv_map.py), read on the
         engine thread between two steps; hashes=true adds each cached block's
