@@ -8,6 +8,7 @@ is gone without --request-timelines."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -36,9 +37,10 @@ def _run(eng, on_step=None) -> dict:
     return final
 
 
-def test_chunked_prefill_preemption_recompute_and_prefix_hit(tiny_llama_dir):
+def test_chunked_prefill_preemption_recompute_and_prefix_hit(tiny_llama_dir, tmp_path):
+    trace = tmp_path / "steps.jsonl"  # the scheduler's own record of each step, to check the timelines against
     llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=8,
-              max_num_batched_tokens=BLOCK, request_timelines=4)
+              max_num_batched_tokens=BLOCK, request_timelines=4, trace_steps=str(trace))
     eng = llm.engine
     params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
     a, b = _prompt(1, 40), _prompt(2, 40)
@@ -66,6 +68,20 @@ def test_chunked_prefill_preemption_recompute_and_prefix_hit(tiny_llama_dir):
         assert 0 <= t["queue_time_s"] <= t["ttft_s"] <= t["e2e_s"] and t["tpot_s"] > 0
         assert max(s["num_blocks"] for s in steps) == t["peak_num_blocks"] <= 8
         assert t["events"][-1]["event"] == "finished" and t["events"][-1]["finish_reasons"] == ["length"]
+    # each entry at the step the scheduler decided it (its decision as the step trace recorded it)
+    decisions = {r["step"]: r["decision"] for r in map(json.loads, trace.read_text().splitlines())
+                 if r["op"] == "schedule" and r["decision"]["request_ids"]}
+    for rid, t in timelines.items():
+        for s in t["steps"]:
+            d = decisions[s["step"]]
+            b = d["request_ids"].index(rid)
+            assert (s["num_computed_tokens"], s["num_scheduled_tokens"]) == (d["num_computed_tokens"][b],
+                                                                              d["num_scheduled_tokens"][b])
+        for e in t["events"]:
+            if e["event"] == "preempted":
+                d = decisions[e["step"]]
+                assert rid in d["preempted_request_ids"]
+                assert d["preemption_reasons"][d["preempted_request_ids"].index(rid)] == e["reason"]
     v = timelines[victims[0]]
     preempted = [e for e in v["events"] if e["event"] == "preempted"]
     recomputes = [e for e in v["events"] if e["event"] == "recompute"]
