@@ -106,8 +106,7 @@ def introspection_row(llm, prompts, params, repeat: int) -> None:
     eng = llm.engine
     plain, keep = eng.scheduler, eng.timelines.keep
     with tempfile.TemporaryDirectory() as tmp:
-        kv = plain.kv_cache_manager
-        traced = TracingScheduler(plain, plain.config, kv.num_blocks, kv.block_size, f"{tmp}/steps.jsonl")
+        traced = TracingScheduler(plain, f"{tmp}/steps.jsonl")
         best = {"off": float("inf"), "on": float("inf")}
         try:
             for _ in range(repeat):

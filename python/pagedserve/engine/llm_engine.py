@@ -148,15 +148,15 @@ class LLMEngine:
         except (RuntimeError, MemoryError) as e:  # the allocator refused
             raise ValueError(f"cannot allocate a KV store of {num_blocks} blocks "
                              f"({num_blocks * block_bytes / 2**30:.1f} GiB): {e}") from e
-        scheduler_config = _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                                                 args.enable_prefix_caching, args.scheduling_policy, args.watermark,
-                                                 args.high_watermark)
-        self.scheduler = _core.Scheduler(scheduler_config, num_blocks, block_size)
+        self.scheduler = _core.Scheduler(
+            _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
+                                  args.enable_prefix_caching, args.scheduling_policy, args.watermark,
+                                  args.high_watermark),
+            num_blocks, block_size)
         if args.trace_steps is not None:  # every call into the scheduler, for `pagedserve replay`
             from .step_trace import TracingScheduler
 
-            self.scheduler = TracingScheduler(self.scheduler, scheduler_config, num_blocks, block_size,
-                                              args.trace_steps)
+            self.scheduler = TracingScheduler(self.scheduler, args.trace_steps)
         self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len, prepared.lean)
         self.eos_token_ids = self._eos_token_ids()
         self.sampler = Sampler(self.eos_token_ids)

@@ -51,17 +51,17 @@ class TracingScheduler:
     scheduler only under --trace-steps.
 
     Args:
-        scheduler: the _core.Scheduler.
-        config: its SchedulerConfig; num_blocks, block_size: its pool.
+        scheduler: the _core.Scheduler (its config and pool shape head the file).
         path: the file to write (truncated). Raises OSError if it cannot be opened.
     """
 
-    def __init__(self, scheduler, config, num_blocks: int, block_size: int, path: str) -> None:
+    def __init__(self, scheduler, path: str) -> None:
         self._scheduler = scheduler
         self._file = open(path, "w", buffering=1, encoding="utf-8")  # line-buffered: a crash keeps what ran
         self._step = 0
         self._scheduled_at: float | None = None
-        self._write(config_of(config, num_blocks, block_size))
+        kv = scheduler.kv_cache_manager
+        self._write(config_of(scheduler.config, kv.num_blocks, kv.block_size))
 
     def __getattr__(self, name):
         return getattr(self._scheduler, name)

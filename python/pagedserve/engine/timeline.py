@@ -42,7 +42,9 @@ class RequestTimeline:
         t = now - self.arrival_time
         last = self._last_end.get(index)
         if last is None:
-            if index == 0 and num_computed_tokens > 0:  # a child choice starts from its parent's blocks
+            # the first step of the request: what it starts with came from the prefix cache (not for a forked
+            # choice, index > 0, which starts from its parent's blocks)
+            if index == 0 and num_computed_tokens > 0:
                 self.events.append({"step": step, "t": t, "event": "prefix_cache_hit", "index": index,
                                     "num_tokens": num_computed_tokens})
         elif num_computed_tokens < last:  # preempted since it last ran: this is the recompute
@@ -82,14 +84,14 @@ class RequestTimeline:
         """The request ended (req: its engine Request): its latencies, prefix-cache
         hit and finish reasons are fixed now."""
         now = req.finished_time or time.monotonic()
-        outputs = [len(c.output_token_ids) for c in req.choices]
-        first, last = req.first_token_time, req.last_token_time
+        if req.pooler is None:
+            outputs = [len(c.output_token_ids) for c in req.choices]
+            first, last = req.first_token_time, req.last_token_time
+        else:  # an embedding request: no output tokens (its one sampled token is dropped)
+            outputs, first, last = [0], None, None
         n = max(outputs, default=0)
         self.events.append({"step": step, "t": now - self.arrival_time, "event": "finished",
                             "finish_reasons": [c.finish_reason for c in req.choices]})
-        if req.pooler is not None:  # an embedding request: no output tokens (its one sampled token is dropped)
-            first = last = None
-            outputs = [0]
         self.summary = {
             "queue_time_s": None if req.first_scheduled_time is None else req.first_scheduled_time - self.arrival_time,
             "ttft_s": None if first is None else first - self.arrival_time,
