@@ -1,4 +1,5 @@
-// The GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K:
+// The GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
+// and the unquantised F32 / F16 / BF16:
 // csrc/backends/cpu/gguf_types.h): hand-built blocks de-quantise to the values
 // ggml's formats define (checked here element by element); on random blocks
 // every kernel variant this CPU runs gives, through linear_f32, exactly the
@@ -28,12 +29,20 @@ using pagedserve::test_support::arg;
 
 namespace {
 
-const QType kTypes[] = {QType::kQ4_0, QType::kQ5_0, QType::kQ5_1, QType::kQ4_K, QType::kQ5_K, QType::kQ6_K};
+// The types linear_f32 reads beyond Q4_1 / Q8_0 (test_quant_linear.cc): the other quantised ones and the
+// unquantised F32 / F16 / BF16 (dense tiles).
+const QType kTypes[] = {QType::kQ4_0, QType::kQ5_0, QType::kQ5_1, QType::kQ4_K, QType::kQ5_K,
+                        QType::kQ6_K, QType::kF32,  QType::kF16,  QType::kBF16};
+
+bool dense_type(QType q) { return q == QType::kF32 || q == QType::kF16 || q == QType::kBF16; }
 
 void put_half(uint8_t* p, uint16_t h) { std::memcpy(p, &h, 2); }
 
 // Random blocks of type q for an [n, k] weight: random quant bytes, scales as
 // fp16 of moderate size (negative ones too, for the types whose d is signed).
+// F32 / F16 / BF16: the row-major matrix of random finite values (float32:
+// any mantissa, exponents of about [2^-8, 2^2); the 16-bit types: random bits
+// of such values, either sign).
 std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& rng) {
   const int64_t be = qtype_block_elements(q), bb = qtype_block_bytes(q), nb = n * (k / be);
   std::vector<uint8_t> raw(static_cast<size_t>(nb * bb));
@@ -42,6 +51,21 @@ std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& 
   const auto half = [&](bool sign) {  // fp16 in about [2^-6, 2^1)
     return static_cast<uint16_t>((sign ? 0x8000 : 0) | (expo(rng) << 10) | mant(rng));
   };
+  if (dense_type(q)) {
+    std::uniform_int_distribution<uint32_t> bits(0, 0xFFFFFFFFu);
+    std::uniform_int_distribution<uint32_t> fexp(119, 128);
+    for (int64_t i = 0; i < n * k; ++i) {
+      const uint32_t v = (bits(rng) & 0x807FFFFFu) | fexp(rng) << 23;  // a float32 of about [2^-8, 2^2)
+      if (q == QType::kF32) {
+        std::memcpy(raw.data() + 4 * i, &v, 4);
+      } else if (q == QType::kBF16) {
+        put_half(raw.data() + 2 * i, static_cast<uint16_t>(v >> 16));
+      } else {
+        put_half(raw.data() + 2 * i, half(byte(rng) & 1));
+      }
+    }
+    return raw;
+  }
   for (int64_t i = 0; i < nb; ++i) {
     uint8_t* b = raw.data() + i * bb;
     switch (q) {
@@ -87,6 +111,66 @@ TEST(GGUFTypes, NamesSizesAndFormats) {
   EXPECT_EQ(tile_format_of(QType::kQ5_K), TileFormat::kU5F);
   EXPECT_EQ(tile_format_of(QType::kQ5_1), TileFormat::kU5F);
   EXPECT_THROW(parse_qtype("q3_k"), KernelArgumentError);
+  EXPECT_EQ(parse_qtype("BF16"), QType::kBF16);
+  EXPECT_EQ(qtype_block_bytes(QType::kF32), 128);
+  EXPECT_EQ(qtype_block_bytes(QType::kF16), 64);
+  EXPECT_EQ(qtype_block_elements(QType::kBF16), 32);
+  EXPECT_EQ(tile_format_of(QType::kF32), TileFormat::kF32);
+  EXPECT_EQ(tile_format_of(QType::kF16), TileFormat::kF16);
+  EXPECT_EQ(tile_format_of(QType::kBF16), TileFormat::kBF16);
+}
+
+// F32 / F16 / BF16: dequantize gives the stored values widened (float32 bit
+// for bit, IEEE half and bfloat16 exactly: infinities, negative zero and
+// subnormals included), the tiles take 4 / 2 / 2 bytes a weight, and linear
+// (int8 activations) refuses them with a typed error.
+TEST(GGUFTypes, UnquantisedTypesHoldTheirValuesExactly) {
+  const int64_t n = 17, k = 64;  // a partial second row group
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<uint32_t> bits(0, 0xFFFFFFFFu);
+  for (QType q : {QType::kF32, QType::kF16, QType::kBF16}) {
+    const int64_t es = q == QType::kF32 ? 4 : 2;
+    std::vector<uint8_t> raw(static_cast<size_t>(n * k * es));
+    std::vector<float> want(static_cast<size_t>(n * k));
+    for (int64_t i = 0; i < n * k; ++i) {
+      uint32_t v = bits(rng);
+      if (i % 13 == 0) v = 0x80000000u;                     // -0
+      if (i % 17 == 0) v = 0x7F800000u;                     // inf
+      if (i % 19 == 0) v = 0x00000001u | (v & 0x80000000u);  // the smallest float32 subnormal
+      if (q == QType::kF32) {
+        if ((v & 0x7F800000u) == 0x7F800000u && (v & 0x007FFFFFu) != 0) v &= 0xFF800000u;  // inf, not NaN
+        std::memcpy(raw.data() + 4 * i, &v, 4);
+        std::memcpy(&want[static_cast<size_t>(i)], &v, 4);
+        continue;
+      }
+      uint16_t h = static_cast<uint16_t>(v >> 16);
+      if (q == QType::kF16) {
+        h = static_cast<uint16_t>(v & 0xFFFF);
+        if ((h & 0x7C00) == 0x7C00) h = static_cast<uint16_t>(h & 0xFC00);  // inf, not NaN
+        // IEEE half: sign, 5-bit exponent (bias 15), 10-bit mantissa; subnormals m * 2^-24
+        const int e = (h >> 10) & 0x1F, mt = h & 0x3FF;
+        float f = e == 0 ? std::ldexp(static_cast<float>(mt), -24)
+                  : e == 31 ? INFINITY : std::ldexp(static_cast<float>(mt + 1024), e - 25);
+        want[static_cast<size_t>(i)] = (h & 0x8000) ? -f : f;
+      } else {
+        if ((h & 0x7F80) == 0x7F80) h = static_cast<uint16_t>(h & 0xFF80);  // inf, not NaN
+        const uint32_t b = static_cast<uint32_t>(h) << 16;
+        std::memcpy(&want[static_cast<size_t>(i)], &b, 4);
+      }
+      put_half(raw.data() + 2 * i, h);
+    }
+    const QuantizedWeight w(raw.data(), q, n, k);
+    EXPECT_FALSE(w.integer_kernels()) << qtype_name(q);
+    EXPECT_EQ(w.nbytes(), 32 * k * es) << qtype_name(q);  // two row groups of 16 rows
+    const std::vector<float> got = dequantized(w);
+    ASSERT_EQ(std::memcmp(got.data(), want.data(), want.size() * 4), 0) << qtype_name(q);
+    std::vector<float> x(k, 1.f), out(n);
+    EXPECT_THROW(w.linear(arg(x, {1, k}, DType::kFloat32, "x"), arg(out, {1, n}, DType::kFloat32, "out"), nullptr, 1),
+                 KernelArgumentError)
+        << qtype_name(q);
+  }
+  std::vector<uint8_t> raw(16 * 48 * 4);
+  EXPECT_THROW(QuantizedWeight(raw.data(), QType::kF32, 16, 48), KernelArgumentError);  // K not a multiple of 32
 }
 
 TEST(GGUFTypes, Q4_0AndQ5_0AndQ5_1BlocksDecodeAsDefined) {
@@ -383,13 +467,13 @@ TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
   std::mt19937 rng(31);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int64_t k = 512;
-  const QType types[] = {QType::kQ5_0, QType::kQ4_K, QType::kQ6_K, QType::kQ8_0};
-  const int64_t rows[] = {200, 64, 7, 97};  // partial row groups between parts; 30+ rows: large enough for the pool
+  const QType types[] = {QType::kQ5_0, QType::kQ4_K, QType::kQ6_K, QType::kQ8_0, QType::kF16};
+  const int64_t rows[] = {200, 64, 7, 97, 21};  // partial row groups between parts; 30+ rows: large enough for the pool
   std::vector<std::vector<uint8_t>> raws;
   std::vector<std::unique_ptr<QuantizedWeight>> ws;
   std::vector<const QuantizedWeight*> parts;
   int64_t n = 0;
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < 5; ++i) {
     raws.push_back(random_blocks(types[i], rows[i], k, rng));
     ws.push_back(std::make_unique<QuantizedWeight>(raws.back().data(), types[i], rows[i], k));
     parts.push_back(ws.back().get());
@@ -406,7 +490,7 @@ TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
       QuantizedWeight::linear_f32_parts(parts, x.data(), m, out.data(), ldo, bias.data(), threads,
                                         active_quant_isa().table());
       int64_t col = 0;
-      for (int i = 0; i < 4; ++i) {
+      for (int i = 0; i < 5; ++i) {
         std::vector<float> own(m * rows[i]), b(bias.begin() + col, bias.begin() + col + rows[i]);
         auto ba = arg(b, {rows[i]}, DType::kFloat32, "bias");
         ws[i]->linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(own, {m, rows[i]}, DType::kFloat32, "out"), &ba,

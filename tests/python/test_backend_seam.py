@@ -49,7 +49,9 @@ def test_the_fake_backend_serves_the_engine_with_its_own_layout(tiny_llama_dir):
 
 
 def test_the_plan_is_built_once_per_step_and_shared_by_every_layer(tiny_llama_dir, monkeypatch):
-    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
+    # the layers' attention calls from Python (the native step, which a float32 checkpoint on our GEMM's
+    # tiles takes, attends inside its one C++ call)
+    llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16, native_step=False)
     backend = llm.engine.backend
     calls = {"make_plan": 0, "paged_attention": 0, "plans": []}  # plans kept alive: ids stay unique
     make_plan, attend = backend.make_plan, backend.paged_attention

@@ -6,7 +6,8 @@ each dtype and quantisation the default model is served in.
 
 float32 (the default) and bfloat16 run on the GGUF's blocks, whose float32 GEMM
 sums each output in k order whatever the call's row count
-(tests/cpp/test_quant_linear.cc); bfloat16 activations are widened exactly and
+(tests/cpp/test_quant_linear.cc); a float checkpoint's weights run the same
+GEMM from dense tiles (tests/cpp/test_gguf_types.cc); bfloat16 activations are widened exactly and
 the sums rounded once. --quantization q4 rounds each activation row to int8 on
 its own and stays on the integer kernel for every call size. The CPU attention
 kernel scores each query row the same way in any tile
@@ -105,15 +106,49 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
     assert not off.engine.linear_path.startswith("gguf")
 
 
+def _token_prompts(vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(2)
+    lens = torch.randint(5, 60, (32,), generator=g).tolist()
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@pytest.mark.parametrize("family,dtype", [("llama", "float32"), ("llama", "bfloat16"), ("gemma3", "float32")])
+def test_a_float_checkpoint_runs_our_gemm_and_gets_the_same_bits_under_any_load(tmp_path, family, dtype):
+    """A float checkpoint (no GGUF blocks) takes our GEMM on its own weights (the ``tiles`` method: float32
+    or bfloat16 weights in the kernel's dense tiles) for every linear layer: batch invariance is "on", and a
+    request's tokens and logprob bits are the same alone, beside 31 others and in 16-token chunks. Llama
+    runs the lean forward, Gemma 3 the Hugging Face modules under the native step (float32), its scaled
+    embedding as lookups in the tied output layer's tiles."""
+    import families
+
+    path = families.build(family, tmp_path / family)
+    kwargs = dict(model=path, skip_tokenizer_init=True, dtype=dtype, enable_prefix_caching=False, num_kv_blocks=128)
+    prompts = _token_prompts(256)
+    llm = LLM(**kwargs)
+    assert llm.engine.linear_path.startswith("tiles: 15 layers") and "0 layers dense" in llm.engine.linear_path
+    assert llm.engine.batch_invariance == "on"
+    if dtype == "float32":
+        assert "native C++ step" in llm.engine.runner.lean.describe_native()
+    tied = family == "gemma3"  # (Gemma 3 ties its output layer to the embedding; the tiny Llama does not)
+    assert ("the embedding read from the tiles of the tied output layer" in llm.engine.linear_path) == tied
+    alone = _run(llm, prompts, batched=False)
+    assert _run(llm, prompts, batched=True) == alone
+    del llm
+    chunked = LLM(max_num_batched_tokens=16, **kwargs)
+    assert _run(chunked, prompts, batched=True) == alone
+
+
 def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_dir):
-    """A float checkpoint's linear layers run a library GEMM (MKL / oneDNN block by row count): the engine
-    says so rather than claiming invariance; --no-batch-invariant says it is off."""
+    """A float checkpoint's linear layers on a library GEMM (asked for: --linear-impl torch; MKL / oneDNN
+    block by row count): the engine says so rather than claiming invariance; --no-batch-invariant says it
+    is off and keeps the measured library GEMM."""
     dense = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, linear_impl="torch")
     assert dense.engine.batch_invariance.startswith("on, except ")
     assert "linear layers on a library GEMM" in dense.engine.batch_invariance
     del dense
     off = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, batch_invariant=False)
     assert off.engine.batch_invariance.startswith("off")
+    assert not off.engine.linear_path.startswith("tiles")
 
 
 _VARIANT = """
@@ -123,7 +158,7 @@ from pagedserve import LLM, SamplingParams, _core
 prompts = json.loads(sys.argv[1])
 params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=0)
 
-def run(llm, batched):
+def run(llm, batched, prompts=prompts):
     outs = llm.generate(prompts, params, use_tqdm=False) if batched else [
         llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
     return [[(t, lp.logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
@@ -133,6 +168,15 @@ res = {"isa": _core.cpu.kernel_isa(), "invariance": llm.engine.batch_invariance,
        "alone": run(llm, False), "batched": run(llm, True)}
 del llm
 res["chunked"] = run(LLM(enable_prefix_caching=False, linear_impl="gguf", max_num_batched_tokens=16), True)
+# a tiny float checkpoint in the other dtype and quantisation: 32 prompts each
+tiny = json.loads(sys.argv[3])
+for name, kw in {"bfloat16": {"dtype": "bfloat16"}, "q4": {"quantization": "q4"}}.items():
+    args = dict(model=sys.argv[2], skip_tokenizer_init=True, enable_prefix_caching=False, num_kv_blocks=128, **kw)
+    llm = LLM(**args)
+    res[name] = {"invariance": llm.engine.batch_invariance, "path": llm.engine.linear_path,
+                 "alone": run(llm, False, tiny), "batched": run(llm, True, tiny)}
+    del llm
+    res[name]["chunked"] = run(LLM(max_num_batched_tokens=16, **args), True, tiny)
 print("RESULT " + json.dumps(res))
 """
 
@@ -144,22 +188,34 @@ def _lower_variants() -> list[str]:
 
 
 @pytest.mark.parametrize("isa", _lower_variants() or ["none"])
-def test_every_kernel_variant_this_cpu_runs_gives_the_same_bits_under_any_load(isa):
+def test_every_kernel_variant_this_cpu_runs_gives_the_same_bits_under_any_load(isa, tmp_path):
     """The default engine (float32 on the GGUF's blocks, where batch invariance keeps every call even on the
-    scalar variant) on each lower kernel variant this CPU executes (PAGEDSERVE_CPU_ISA, a fresh process: avx2
+    scalar variant), and a tiny float checkpoint in bfloat16 (our GEMM's tiles) and --quantization q4 (32
+    prompts each), on each lower kernel variant this CPU executes (PAGEDSERVE_CPU_ISA, a fresh process: avx2
     and baseline on an AVX-512 machine): alone, batched and in 16-token chunks give each request the same
-    tokens and logprob bits. (The emulated CPUs of the qemu-user
-    runs check the kernels' row invariance in tests/cpp: test_quant_linear, test_attention_cpu.)"""
+    tokens and logprob bits. (An emulated AVX2-only CPU runs the engine too: test_hardware.py; the qemu-user
+    runs of tests/cpp check the kernels' row invariance: test_quant_linear, test_gguf_types,
+    test_attention_cpu.)"""
     if isa == "none":
         pytest.skip("this CPU executes only one compiled kernel variant: the tests above cover it")
     import json
     import os
     import subprocess
     import sys
+
+    import families
+    # initializer_range 0.1: at the families' 0.15 q4's rounding moves this tiny model's logits past the
+    # start-up check's bound (any kernel variant)
+    tiny = families.build("llama", tmp_path / "llama", overrides={"initializer_range": 0.1})
     prompts = _prompts()[:5]
-    r = subprocess.run([sys.executable, "-c", _VARIANT, json.dumps(prompts)], capture_output=True, text=True,
-                       timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_CPU_ISA": isa})
+    r = subprocess.run([sys.executable, "-c", _VARIANT, json.dumps(prompts), tiny, json.dumps(_token_prompts(256))],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "HF_HUB_OFFLINE": "1", "PAGEDSERVE_CPU_ISA": isa})
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(next(line for line in r.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert res["isa"] == isa and res["invariance"] == "on"
     assert res["batched"] == res["alone"] and res["chunked"] == res["alone"]
+    assert res["bfloat16"]["path"].startswith("tiles") and res["q4"]["path"].startswith("q4")
+    for name in ("bfloat16", "q4"):
+        assert res[name]["invariance"] == "on", res[name]["invariance"]
+        assert res[name]["batched"] == res[name]["alone"] and res[name]["chunked"] == res[name]["alone"], name

@@ -1,6 +1,6 @@
 """Every common GGUF block type on the native kernels
 (pagedserve._core.cpu.QuantizedWeight: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-Q5_K, Q6_K): on random blocks of each type, for weights whose rows hold one
+Q5_K, Q6_K, and the unquantised F32, F16, BF16): on random blocks of each type, for weights whose rows hold one
 and several blocks and a partial last row group, the C++ de-quantisation is
 gguf-py's bit for bit (the sign of zero included; Q4_0, run on Q4_1 tiles
 with m = -8 d, gives a zero of either sign), the embedding lookup reads
@@ -102,6 +102,84 @@ def test_bad_types_and_shapes_raise_kernel_argument_error():
     w = cpu.QuantizedWeight(raw, "q4_k", 2, 256)
     with pytest.raises(KernelArgumentError, match="out"):
         w.linear(torch.randn(1, 256), torch.empty(1, 3), None, 1)
+
+
+FLOAT_TYPES = {"f32": np.float32, "f16": np.float16, "bf16": None}
+
+
+def float_tensor(name: str, n: int, k: int, seed: int) -> np.ndarray:
+    """A GGUF F32 / F16 / BF16 tensor's data as gguf-py's reader gives it: float32 / float16 [n, k], or for
+    BF16 uint8 [n, 2 k] (numpy has no bfloat16): random normal values, a -0.0 and an infinity among them."""
+    v = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+    v[0, 0], v[-1, -1] = -0.0, np.inf
+    if name == "bf16":
+        return (torch.from_numpy(v).bfloat16().view(torch.int16).numpy().view(np.uint8)).reshape(n, 2 * k)
+    return v.astype(FLOAT_TYPES[name])
+
+
+@pytest.mark.parametrize("name", list(FLOAT_TYPES))
+def test_unquantised_types_hold_gguf_pys_values_and_run_only_in_float32(quant_variant, name):
+    """F32 / F16 / BF16 tensors (a GGUF of unquantised weights; a float checkpoint's own weights take the
+    same tiles): raw_bytes turns the reader's array into the rows' bytes, dequantize gives gguf-py's float32
+    values bit for bit (-0.0 and inf included), linear_f32 gives them exactly for one-hot rows and a row's
+    bits alone as in its batch; linear (int8 activations) refuses them."""
+    from pagedserve.model.gguf_format import raw_bytes
+
+    n, k = 37, 96
+    data = float_tensor(name, n, k, seed=5)
+    raw = raw_bytes(data)
+    assert raw.dtype == torch.uint8 and raw.shape == (n, k * (4 if name == "f32" else 2))
+    w = cpu.QuantizedWeight(raw, name, n, k)
+    assert w.qtype == name and not w.integer_kernels
+    want = torch.from_numpy(np.ascontiguousarray(dequantize(data, gguf_type(name)), dtype=np.float32))
+    out = torch.full((n, k), float("nan"))
+    w.dequantize(out, 2)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32))
+    eye = torch.eye(k)
+    t = torch.empty(k, n)
+    w.linear_f32(eye, t, None, 2)
+    finite = torch.isfinite(want).all(dim=1)  # (the weight row holding inf: 0 * inf is NaN in the other rows)
+    assert bool((t[:, finite] == want.T[:, finite]).all())  # ==: a sum from +0 gives +0 for a -0.0 weight
+    assert torch.isinf(t[k - 1, n - 1])
+    x = torch.randn(9, k, generator=torch.Generator().manual_seed(2))
+    w2 = cpu.QuantizedWeight(raw_bytes(np.where(np.isinf(data), 1, data).astype(data.dtype)), name, n, k)
+    batch, one = torch.empty(9, n), torch.empty(1, n)
+    w2.linear_f32(x, batch, None, 2)
+    w2.linear_f32(x[4:5].contiguous(), one, None, 1)
+    assert torch.equal(one[0], batch[4])
+    with pytest.raises(KernelArgumentError, match="linear_f32"):
+        w.linear(x, torch.empty(9, n), None, 1)
+
+
+def test_the_gguf_path_serves_an_f16_tensor_and_the_quantised_method_does_not_take_it():
+    """An F16 linear layer of a GGUF file is served by the gguf path from its 2-byte tiles (no float32 copy);
+    --quantization quantises its values here instead (the integer kernels read no F16)."""
+    from types import SimpleNamespace
+
+    from pagedserve.model.gguf_format import GGUFBlocks
+    from pagedserve.model.gguf_linear import GGUFFloatLinear, GGUFFloatMethod
+    from pagedserve.model.linear import DenseMethod, LinearChoice
+    from pagedserve.model.quantization import QuantizedMethod
+
+    n, k = 48, 64
+    data = np.where(np.isinf(float_tensor("f16", n, k, seed=9)), 0.5, float_tensor("f16", n, k, seed=9))
+    data = data.astype(np.float16)
+    lin = torch.nn.Linear(k, n, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.from_numpy(data.astype(np.float32)))
+    blocks = GGUFBlocks("unused.gguf", {"blk.0.ffn_down.weight": (data, "f16")}, "gemma3")
+    config = SimpleNamespace(num_attention_heads=4, num_key_value_heads=1)
+    method = GGUFFloatMethod(blocks, config, DenseMethod(LinearChoice("torch", "test")))
+    layer, what = method.build([lin], ["model.layers.0.mlp.down_proj"])
+    assert isinstance(layer, GGUFFloatLinear) and what == "F16 blocks expanded exactly to float32"
+    assert layer.nbytes == n * k * 2
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    want = torch.nn.functional.linear(x.double(), lin.weight.double(), lin.bias.double())
+    assert torch.allclose(layer(x).double(), want, rtol=1e-5, atol=1e-5)
+    quantized = QuantizedMethod("q4", config, blocks)
+    qlayer, qwhat = quantized.build([lin], ["model.layers.0.mlp.down_proj"])
+    assert qwhat == "Q4_1 blocks, quantised here, int8 activations", qwhat
+    assert quantized.requantized == 1 and quantized.native == 0
 
 
 @pytest.mark.parametrize("name", TYPES)

@@ -122,12 +122,20 @@ from pagedserve import _core
 from pagedserve.hardware import cpu_capabilities
 caps = cpu_capabilities()
 res = {"isa": _core.cpu.kernel_isa(), "onednn_bf16": caps.onednn_bf16, "native_bf16": caps.native_bf16}
-params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-for dtype in ("auto", "bfloat16"):
-    llm = LLM(model=sys.argv[1], dtype=dtype, skip_tokenizer_init=True, num_kv_blocks=32)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+prompts = json.loads(sys.argv[2])
+
+def answers(outs):
+    return [[(t, lp.logprob) for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+
+for dtype, quantization in (("auto", "none"), ("bfloat16", "none"), ("q4", "q4")):
+    llm = LLM(model=sys.argv[1], dtype="auto" if dtype == "q4" else dtype, quantization=quantization,
+              skip_tokenizer_init=True, num_kv_blocks=32, enable_prefix_caching=False)
+    batched = answers(llm.generate(prompts, params, use_tqdm=False))
+    alone = [answers(llm.generate([p], params, use_tqdm=False))[0] for p in prompts]
     res[dtype] = {"dtype": str(llm.engine.dtype), "linear": llm.engine.linear_path,
-                  "tokens": [o.outputs[0].token_ids for o in llm.generate(json.loads(sys.argv[2]), params,
-                                                                          use_tqdm=False)]}
+                  "invariance": llm.engine.batch_invariance, "tokens": [[t for t, _ in a] for a in batched],
+                  "alone": alone, "batched": batched}
 print("RESULT " + json.dumps(res))
 """
 
@@ -138,7 +146,10 @@ print("RESULT " + json.dumps(res))
 def test_the_engine_on_an_emulated_avx2_only_cpu(tiny_llama_dir):
     """qemu-user's Haswell has AVX2 and FMA but no AVX-512 and no bf16, like the
     CPUs where main once crashed: the kernels must pick avx2, --dtype auto
-    float32, --dtype bfloat16 torch's GEMM, and both must produce the right tokens."""
+    float32, and both dtypes must produce the right tokens; the engine is
+    batch invariant there too (a float checkpoint on our GEMM's tiles in
+    float32 and bfloat16, and --quantization q4: each request's tokens and
+    logprob bits alone as in the batch of three)."""
     r = subprocess.run([QEMU, "-cpu", "Haswell-v4", sys.executable, "-c", EMULATED, tiny_llama_dir,
                         json.dumps(PROMPTS)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "HF_HUB_OFFLINE": "1"})
@@ -147,7 +158,10 @@ def test_the_engine_on_an_emulated_avx2_only_cpu(tiny_llama_dir):
     print(res)
     assert res["isa"] == "avx2" and not res["onednn_bf16"] and not res["native_bf16"]
     assert res["auto"]["dtype"] == "torch.float32"
-    assert res["bfloat16"]["dtype"] == "torch.bfloat16" and "torch's default GEMM" in res["bfloat16"]["linear"]
+    assert res["bfloat16"]["dtype"] == "torch.bfloat16" and res["bfloat16"]["linear"].startswith("tiles")
+    assert res["q4"]["linear"].startswith("q4")
+    for dtype in ("auto", "bfloat16", "q4"):
+        assert res[dtype]["invariance"] == "on" and res[dtype]["alone"] == res[dtype]["batched"], dtype
     want = hf_greedy(tiny_llama_dir, PROMPTS, 8)
     assert res["auto"]["tokens"] == want  # float32 on the emulated CPU: the reference's tokens
     assert agreement(res["bfloat16"]["tokens"], want) >= 0.5

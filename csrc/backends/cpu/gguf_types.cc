@@ -23,6 +23,8 @@ constexpr TypeInfo kTypes[] = {
     {QType::kQ4_0, "q4_0", 18, 32},   {QType::kQ4_1, "q4_1", 20, 32},   {QType::kQ5_0, "q5_0", 22, 32},
     {QType::kQ5_1, "q5_1", 24, 32},   {QType::kQ8_0, "q8_0", 34, 32},   {QType::kQ4_K, "q4_k", 144, 256},
     {QType::kQ5_K, "q5_k", 176, 256}, {QType::kQ6_K, "q6_k", 210, 256},
+    // unquantised: a "block" is 32 consecutive elements (the tiles' k-step)
+    {QType::kF32, "f32", 128, 32},    {QType::kF16, "f16", 64, 32},     {QType::kBF16, "bf16", 64, 32},
 };
 
 const TypeInfo& info(QType q) {
@@ -149,7 +151,7 @@ QType parse_qtype(const std::string& name) {
   for (const TypeInfo& t : kTypes) {
     if (lower == t.name) return t.type;
   }
-  throw KernelArgumentError("qtype must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, got '" + name +
+  throw KernelArgumentError("qtype must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f32, f16, bf16, got '" + name +
                             "'");
 }
 
@@ -169,6 +171,9 @@ TileFormat tile_format_of(QType q) {
     case QType::kQ5_1:
     case QType::kQ5_K: return TileFormat::kU5F;  // 0..31 with a minimum
     case QType::kQ6_K: return TileFormat::kI8F;  // q - 32 (6 bits), a scale per 16 elements
+    case QType::kF32: return TileFormat::kF32;
+    case QType::kF16: return TileFormat::kF16;
+    case QType::kBF16: return TileFormat::kBF16;
   }
   return TileFormat::kI8F;
 }

@@ -28,7 +28,12 @@
 //   u4f tile (384 bytes): u5f's without qh: element e of row j is d * q + m,
 //         q its nibble (0..15);
 //   i8f tile (768 bytes): float d[2][16], float m[2][16], int8 qs[8][16][4]
-//         (q8_0's order): element e of row j is d[e / 16][j] * qs + m[e / 16][j].
+//         (q8_0's order): element e of row j is d[e / 16][j] * qs + m[e / 16][j];
+//   f32 tile (2048 bytes): float w[32][16]: w[e][j] = element e of row j;
+//   f16 / bf16 tile (1024 bytes): uint16 w[32][16], the same order, IEEE
+//         half / bfloat16 bits (widened to float32 exactly). These dense tiles
+//         hold unquantised weights (GGUF F32 / F16 / BF16 tensors, or a float
+//         checkpoint's own weights) for gemm_f32 only: no scales, no integer kernel.
 // The other GGUF block types are repacked exactly (gguf_types.h): Q4_0 (q - 8)
 // into q4_1 (m = -8 d; q8_0 where that is no float16) and Q5_0 (q - 16) into
 // q8_0, Q4_K into u4f, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
@@ -52,11 +57,13 @@ constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
 constexpr int kI8FTileBytes = 768; // 16 rows x (2 float d + 2 float m + 32 int8)
 constexpr int k5FTileBytes = 448;  // 16 rows x (float d + float m + 16 nibble bytes + uint32 high bits)
 constexpr int kU4FTileBytes = 384; // 16 rows x (float d + float m + 16 nibble bytes)
+constexpr int kF32TileBytes = 2048; // 16 rows x 32 float
+constexpr int kF16TileBytes = 1024; // 16 rows x 32 half or bfloat16 (f16 and bf16 tiles)
 
 // The tile formats the kernels read (above). q4_1 and q8_0 hold those GGUF
 // types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4f, u5f and i8f hold
-// the other types.
-enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F };
+// the other quantised types; f32, f16 and bf16 unquantised weights (gemm_f32 only).
+enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F, kF32, kF16, kBF16 };
 
 // Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea), stored
 // group-major so that a pass over consecutive rows reads one contiguous run per
@@ -75,7 +82,7 @@ struct QuantActivations {
 // One GEMM call: out [M, N] (row stride N, dtype float32 or bfloat16) =
 // x . W^T (+ bias [N] float32, or nullptr).
 struct QuantGemmArgs {
-  TileFormat format;  // any (u4f / u5f / i8f: i8f's minima must be zero, QuantizedWeight checks)
+  TileFormat format;  // any quantised one (i8f's minima must be zero; never f32 / f16 / bf16: QuantizedWeight checks)
   const uint8_t* w;  // repacked tiles (layout above)
   int64_t n, k;      // real N (unpadded) and K
   int64_t m;
@@ -91,7 +98,8 @@ constexpr int kF32Rows = 12;
 
 // One gemm_f32 call: out [M, N] float32 (row stride ldo) = x . W^T (+ bias [N]
 // float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
-// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f / i8f d * q + m), accumulated in float32 along k in
+// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f / i8f d * q + m; f32 / f16 /
+// bf16 the stored values widened), accumulated in float32 along k in
 // order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
 // the product and the sum separately).
 struct QuantF32GemmArgs {

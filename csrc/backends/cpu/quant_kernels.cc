@@ -293,7 +293,17 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 template <TileFormat Q>
 constexpr int64_t tile_bytes_of() {
   return Q == TileFormat::kQ4_1 ? kQ41TileBytes : Q == TileFormat::kQ8_0 ? kQ80TileBytes
-         : Q == TileFormat::kI8F ? kI8FTileBytes : Q == TileFormat::kU4F ? kU4FTileBytes : k5FTileBytes;
+         : Q == TileFormat::kI8F ? kI8FTileBytes : Q == TileFormat::kU4F ? kU4FTileBytes
+         : Q == TileFormat::kF32 ? kF32TileBytes : Q == TileFormat::kF16 || Q == TileFormat::kBF16 ? kF16TileBytes
+         : k5FTileBytes;
+}
+
+// The dense formats (f32, f16, bf16: quant_isa.h): element e of row j at
+// index 16 e + j of the tile, no scales; the expansion is a load (and, for
+// the 16-bit ones, an exact widening).
+template <TileFormat Q>
+constexpr bool dense_tiles() {
+  return Q == TileFormat::kF32 || Q == TileFormat::kF16 || Q == TileFormat::kBF16;
 }
 
 // The 5-bit format (u5f: quant_isa.h): float d[16] at 0, m[16] at 64,
@@ -544,7 +554,15 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // float32: the product and the sum rounded separately, -ffp-contract=off).
 void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float* w) {
   const int64_t nb = a.k / kQBlock;
-  if (a.format == TileFormat::kQ4_1) {
+  if (a.format == TileFormat::kF32) {
+    memcpy(w, a.w + (g * nb + b) * kF32TileBytes + 4 * kQRows * e, 4 * kQRows);
+  } else if (a.format == TileFormat::kF16 || a.format == TileFormat::kBF16) {
+    const uint8_t* t = a.w + (g * nb + b) * kF16TileBytes + 2 * kQRows * e;
+    for (int j = 0; j < kQRows; ++j) {
+      const uint16_t v = load_u16(t + 2 * j);
+      w[j] = a.format == TileFormat::kF16 ? half_to_float(v) : bf16_to_float(v);
+    }
+  } else if (a.format == TileFormat::kQ4_1) {
     const uint8_t* t = a.w + (g * nb + b) * kQ41TileBytes;
     const int p = (e & 15) >> 2, byte = e & 3;
     for (int j = 0; j < kQRows; ++j) {
@@ -763,7 +781,14 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, __m512 d, __m512 m) {
-  if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
+  if constexpr (dense_tiles<Q>()) {
+    (void)d;
+    (void)m;
+    if constexpr (Q == TileFormat::kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * e);
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 2 * kQRows * e));
+    if constexpr (Q == TileFormat::kF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bfloat16: exact
+  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
     const __m512i raw = _mm512_loadu_si512(t + nibbles_at<Q>() + 64 * p);
     const __m512i idx = shift == 0 ? raw : _mm512_srli_epi32(raw, shift);
@@ -799,6 +824,12 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
 // scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
+  if constexpr (dense_tiles<Q>()) {  // no scales
+    (void)t;
+    (void)eh;
+    *d = *m = _mm512_setzero_ps();
+    return;
+  }
   if constexpr (float_scales<Q>()) {
     *d = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
     *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
@@ -1182,7 +1213,14 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // of its group; d, m that half's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, int e, __m256 d, __m256 m) {
-  if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
+  if constexpr (dense_tiles<Q>()) {
+    (void)d;
+    (void)m;
+    if constexpr (Q == TileFormat::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * e + 8 * h);
+    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 2 * kQRows * e + 16 * h));
+    if constexpr (Q == TileFormat::kF16) return _mm256_cvtph_ps(v);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));  // bfloat16: exact
+  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nibbles_at<Q>() + 64 * p + 32 * h));
     const __m256i q = shift == 28 ? _mm256_srli_epi32(raw, 28)
@@ -1217,6 +1255,13 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
 // block (i8f's scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
+  if constexpr (dense_tiles<Q>()) {  // no scales
+    (void)t;
+    (void)h;
+    (void)eh;
+    *d = *m = _mm256_setzero_ps();
+    return;
+  }
   if constexpr (float_scales<Q>()) {
     *d = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);
     *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
@@ -1454,6 +1499,9 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
     case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kU4F: gemm_f32_typed<TileFormat::kU4F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kI8F: gemm_f32_typed<TileFormat::kI8F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kF32: gemm_f32_typed<TileFormat::kF32>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kF16: gemm_f32_typed<TileFormat::kF16>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kBF16: gemm_f32_typed<TileFormat::kBF16>(a, g0, g1, m0, m1, scratch); break;
   }
 }
 #endif

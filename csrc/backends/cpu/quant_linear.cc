@@ -57,8 +57,16 @@ int tile_bytes(TileFormat f) {
     case TileFormat::kU5F: return k5FTileBytes;
     case TileFormat::kU4F: return kU4FTileBytes;
     case TileFormat::kI8F: return kI8FTileBytes;
+    case TileFormat::kF32: return kF32TileBytes;
+    case TileFormat::kF16:
+    case TileFormat::kBF16: return kF16TileBytes;
   }
   return kI8FTileBytes;
+}
+
+// The dense tile formats (f32, f16, bf16): unquantised weights, element-major tiles.
+bool dense_format(TileFormat f) {
+  return f == TileFormat::kF32 || f == TileFormat::kF16 || f == TileFormat::kBF16;
 }
 
 const QuantIsaVariant* find_quant(const std::string& name) {
@@ -240,6 +248,11 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
   tiles_.reset(static_cast<uint8_t*>(huge_page_alloc(static_cast<size_t>(nbytes_))));
   uint8_t* tiles = tiles_.get();
   std::memset(tiles, 0, static_cast<size_t>(nbytes_));  // padding rows: d = m = q = 0
+  if (dense_format(format_)) {
+    integer_ok_ = false;
+    repack_dense(raw);
+    return;
+  }
   if (format_ != TileFormat::kQ4_1 && format_ != TileFormat::kQ8_0) {
     repack_decoded(raw);
     return;
@@ -262,6 +275,19 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
 }
 
 QuantizedWeight::~QuantizedWeight() = default;
+
+void QuantizedWeight::repack_dense(const uint8_t* raw) {
+  const int64_t nb = k_ / kQBlock, tb = tile_bytes(format_);
+  const int64_t es = format_ == TileFormat::kF32 ? 4 : 2;  // bytes per element
+  for (int64_t row = 0; row < n_; ++row) {
+    const int64_t g = row / kQRows, j = row % kQRows;
+    const uint8_t* src = raw + row * k_ * es;
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+      for (int e = 0; e < kQBlock; ++e) std::memcpy(t + (e * kQRows + j) * es, src + (b * kQBlock + e) * es, es);
+    }
+  }
+}
 
 void QuantizedWeight::repack_decoded(const uint8_t* raw) {
   const int64_t nb = k_ / kQBlock, tb = tile_bytes(format_);
@@ -302,6 +328,17 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
   const int64_t g = row / kQRows, j = row % kQRows;
   for (int64_t b = 0; b < nb; ++b, dst += kQBlock) {
     const uint8_t* t = tiles_.get() + (g * nb + b) * tb;
+    if (dense_format(format_)) {  // widened exactly
+      for (int e = 0; e < kQBlock; ++e) {
+        if (format_ == TileFormat::kF32) {
+          std::memcpy(&dst[e], t + 4 * (e * kQRows + j), 4);
+        } else {
+          const uint16_t v = load_u16(t + 2 * (e * kQRows + j));
+          dst[e] = format_ == TileFormat::kF16 ? half_to_float(v) : bf16_to_float(v);
+        }
+      }
+      continue;
+    }
     if (format_ == TileFormat::kU5F || format_ == TileFormat::kU4F) {
       float d, m;
       uint32_t high = 0;

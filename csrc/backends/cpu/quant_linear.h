@@ -51,21 +51,24 @@ void set_active_quant_isa(const std::string& name);
 
 // The GGUF block types a QuantizedWeight reads (ggml's formats, as gguf-py
 // de-quantises them).
-enum class QType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
+// F32, F16 and BF16 are GGUF's unquantised types (or a float checkpoint's own
+// weights): linear_f32, dequantize and embedding read them; linear does not.
+enum class QType { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kF32, kF16, kBF16 };
 
-// "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k" (either
-// case) -> the type; anything else throws KernelArgumentError.
+// "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f32",
+// "f16", "bf16" (either case) -> the type; anything else throws KernelArgumentError.
 QType parse_qtype(const std::string& name);
 const char* qtype_name(QType q);  // "q4_1", "q6_k", ...
 // Bytes of one GGUF block: 18 (Q4_0), 20 (Q4_1), 22 (Q5_0), 24 (Q5_1), 34
-// (Q8_0), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K).
+// (Q8_0), 144 (Q4_K), 176 (Q5_K), 210 (Q6_K); for the unquantised types a
+// "block" is 32 consecutive elements: 128 (F32), 64 (F16, BF16).
 int64_t qtype_block_bytes(QType q);
 // Elements of one GGUF block: 32, or 256 for the K-quants (Q4_K, Q5_K, Q6_K).
 int64_t qtype_block_elements(QType q);
 // The tile format a type is repacked into (quant_isa.h): Q4_1 and Q8_0 their
 // own; Q4_0 Q4_1's (Q8_0's where some -8 d is no float16: QuantizedWeight
 // decides per weight) and Q5_0 Q8_0's (gguf_types.h: as_stored_blocks); Q4_K
-// u4f; Q5_1 and Q5_K u5f; Q6_K i8f.
+// u4f; Q5_1 and Q5_K u5f; Q6_K i8f; F32, F16, BF16 their own dense tiles.
 TileFormat tile_format_of(QType q);
 
 // A GGUF-quantized weight matrix W [N out, K in], repacked once into the
@@ -73,13 +76,16 @@ TileFormat tile_format_of(QType q);
 // bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; Q4_0 and Q5_0
 // are rewritten as Q4_1 (0.625 bytes per weight) and Q8_0 (1.0625) blocks of
 // the same values; the other types become u4f (Q4_K, 0.75 bytes per weight),
-// u5f (Q5_1, Q5_K: 0.875) or i8f (Q6_K: 1.5) tiles of exactly the same values.
+// u5f (Q5_1, Q5_K: 0.875) or i8f (Q6_K: 1.5) tiles of exactly the same values;
+// F32 / F16 / BF16 rows (4 / 2 / 2 bytes per weight) are reordered into dense
+// tiles as they are.
 class QuantizedWeight {
  public:
   // raw: uint8 [N, K / block_elements * block_bytes], contiguous: each row's
   // GGUF blocks along K (what gguf.GGUFReader gives for a tensor of shape
-  // [N, K]). qtype one of parse_qtype's names; K a positive multiple of the
-  // type's block_elements (32, K-quants 256); N >= 1.
+  // [N, K]; for F32 / F16 / BF16 the row-major matrix's bytes). qtype one of
+  // parse_qtype's names; K a positive multiple of the type's block_elements
+  // (32, K-quants 256); N >= 1.
   // Throws KernelArgumentError for a wrong dtype, shape, layout or qtype.
   QuantizedWeight(const TensorArg& raw, const std::string& qtype, int64_t out_features, int64_t in_features);
   // The same from a pointer to N * K / block_elements * block_bytes bytes (no checks on the memory itself).
@@ -94,9 +100,9 @@ class QuantizedWeight {
   int64_t in_features() const { return k_; }   // K
   // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
   int64_t nbytes() const { return nbytes_; }
-  // Whether linear (int8 activations) runs this weight: every type but one
-  // whose i8f tiles hold a non-zero minimum (none of the GGUF types does:
-  // Q6_K, the one type held in i8f, has no minimum).
+  // Whether linear (int8 activations) runs this weight: every quantised type
+  // but one whose i8f tiles hold a non-zero minimum (none of the GGUF types
+  // does: Q6_K, the one type held in i8f, has no minimum); never F32 / F16 / BF16.
   bool integer_kernels() const { return integer_ok_; }
 
   // out [N, K] = the dequantised weights. float32: bit-identical to gguf-py's
@@ -165,6 +171,8 @@ class QuantizedWeight {
   void dequantize_row(int64_t row, float* dst) const;
   // Fills the u5f / u4f / i8f tiles from raw rows of a type gguf_types.cc decodes.
   void repack_decoded(const uint8_t* raw);
+  // Fills the f32 / f16 / bf16 tiles from the raw row-major matrix.
+  void repack_dense(const uint8_t* raw);
   QType qtype_;
   TileFormat format_;
   int64_t n_, k_, nbytes_;

@@ -2,7 +2,7 @@
 place: the file's tensor index and raw blocks (GGUFBlocks, read by gguf-py),
 the mapping from a transformers layer name to the GGUF tensor that stores it,
 llama.cpp's rotary row order of the q/k projections, the block types our
-kernels read (NATIVE_QTYPES), and gguf-py's quantiser / de-quantiser (the
+kernels read (NATIVE_QTYPES, FLOAT_QTYPES), and gguf-py's quantiser / de-quantiser (the
 reference our C++ kernels are held to). The block layouts themselves are the
 C++ kernels' (csrc/backends/cpu/gguf_types.cc); converting a file to a
 transformers model is transformers' GGUF reader (loader.py).
@@ -16,8 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-# GGUF block types whose blocks the C++ kernel (QuantizedWeight) reads
+# GGUF block types whose blocks the C++ kernel (QuantizedWeight) reads, with int8 activations too
 NATIVE_QTYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+# GGUF's unquantised types, which the exact float32 GEMM (QuantizedWeight.linear_f32) reads from dense tiles
+FLOAT_QTYPES = ("f32", "f16", "bf16")
+# every type linear_f32 reads (the gguf path)
+F32_KERNEL_QTYPES = NATIVE_QTYPES + FLOAT_QTYPES
 
 # GGUF tensor names of a Llama layer's linear layers (llama.cpp's convention)
 _GGUF_LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -48,6 +52,13 @@ def dequantize_rows(blocks: torch.Tensor, qtype: str) -> torch.Tensor:
     from gguf.quants import dequantize
 
     return torch.from_numpy(np.ascontiguousarray(dequantize(blocks.numpy(), _gguf_types()[qtype])))
+
+
+def raw_bytes(data: np.ndarray) -> torch.Tensor:
+    """A GGUF tensor's data as gguf-py gives it (quantised and BF16: uint8
+    [N, bytes]; F16, F32: float16 / float32 [N, K]) -> a copy of its bytes,
+    uint8 [N, bytes per row] (what QuantizedWeight takes)."""
+    return torch.from_numpy(np.ascontiguousarray(data).view(np.uint8).reshape(data.shape[0], -1).copy())
 
 
 def unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -109,7 +120,7 @@ class GGUFBlocks:
         entry = self.tensors.get(gname) if gname else None
         if entry is None or entry[1] not in wanted:
             return None
-        raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
+        raw = raw_bytes(entry[0])
         if raw.shape[0] != out_features:
             return None
         if self.architecture not in ("", "llama"):

@@ -1,17 +1,17 @@
 """The ``gguf`` GEMM path: float32 linear layers computed from the GGUF's own
 blocks (``--linear-impl gguf``; ``auto`` takes it where it measures faster),
-of any type in NATIVE_QTYPES.
+of any type in F32_KERNEL_QTYPES (the quantised ones and F32 / F16 / BF16).
 
 A model converted from a GGUF file has float32 weights that are exactly the
 blocks' values (Q4_1: w = d q + m, Q8_0: w = d q, Q6_K: w = d sc (q - 32),
-...: gguf-py's de-quantisation).
+...: gguf-py's de-quantisation; F16, BF16: the values widened).
 The kernel ``QuantizedWeight.linear_f32`` expands each block to those float32
 values in registers and multiplies them with the float32 activations,
 accumulating in float32: the products of a float32 GEMM on the dense weights,
 summed in another order, while reading 4.5 (Q4_1), 8.5 (Q8_0), 5 (Q4_0, held
 as Q4_1), 8.5 (Q5_0, held as Q8_0), 6 (Q4_K: 4-bit quants with float32
 scales), 7 (Q5_1, Q5_K: 5-bit ones) or 12 (Q6_K: int8 with float32 scales per
-16) bits per weight instead of 32. A decode step (a few to a few dozen rows per call) is
+16), 16 (F16, BF16) bits per weight instead of 32. A decode step (a few to a few dozen rows per call) is
 bound by reading the weights, so this is where it pays; calls of more than
 ``max_rows`` rows (prefill chunks) go to the dense float32 layer the module
 keeps (the model's own weights on the measured dense path). Unlike
@@ -24,12 +24,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from .. import _core
 from . import tuner
-from .gguf_format import NATIVE_QTYPES, GGUFBlocks
+from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks, raw_bytes
 from .linear_method import LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
@@ -158,8 +157,8 @@ def why_no_gguf_path(dtype: torch.dtype, device: torch.device, gguf: GGUFBlocks 
         return f"it takes float32 or bfloat16 activations (dtype {str(dtype).removeprefix('torch.')})"
     if gguf is None:
         return "the model was not loaded from a GGUF file"
-    if not any(t in NATIVE_QTYPES for _, t in gguf.tensors.values()):
-        return f"{gguf.path.name} has no tensors of a block type the kernel reads ({', '.join(NATIVE_QTYPES)})"
+    if not any(t in F32_KERNEL_QTYPES for _, t in gguf.tensors.values()):
+        return f"{gguf.path.name} has no tensors of a type the kernel reads ({', '.join(F32_KERNEL_QTYPES)})"
     return None
 
 
@@ -200,7 +199,7 @@ def row_bound(ms: dict, rows) -> int:
 class GGUFFloatMethod(LinearMethod):
     """The linear method of the ``gguf`` path (a LinearMethod): GGUFFloatLinear
     layers on the GGUF file's own blocks, for each (fused) layer whose parts
-    the file stores in one of NATIVE_QTYPES (one type) and whose blocks
+    the file stores in one of F32_KERNEL_QTYPES (one type) and whose blocks
     de-quantise to the model's float32 weights bit for bit; it declines every
     other layer (the table's next method, the dense one, builds it).
 
@@ -246,7 +245,7 @@ class GGUFFloatMethod(LinearMethod):
     def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
         """See LinearMethod.build: a GGUFFloatLinear over the parts' blocks
         concatenated by rows, its dense layer from ``dense``; or (None, why)."""
-        parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, NATIVE_QTYPES)
+        parts = [self.gguf.layer_blocks(name, lin.out_features, self.num_heads, self.num_kv_heads, F32_KERNEL_QTYPES)
                  for lin, name in zip(linears, names)]
         why = self._why_not(linears, names, parts)
         if why is None:
@@ -336,11 +335,11 @@ class GGUFFloatMethod(LinearMethod):
 
     def embedding(self, embed: torch.nn.Embedding, lm_head: torch.nn.Module) -> GGUFEmbedding | None:
         """The model's embedding on the GGUF's ``token_embd`` blocks (a type of
-        NATIVE_QTYPES) where they de-quantise to ``embed``'s weights bit for
+        F32_KERNEL_QTYPES) where they de-quantise to ``embed``'s weights bit for
         bit, sharing the output layer's blocks when it is tied to them, with
         the module's ``embed_scale`` where it has one; else None."""
         entry = self.gguf.tensors.get("token_embd.weight")
-        if entry is None or entry[1] not in NATIVE_QTYPES:
+        if entry is None or entry[1] not in F32_KERNEL_QTYPES:
             return None
         vocab, hidden = embed.weight.shape
         scale = getattr(embed, "embed_scale", None)
@@ -348,7 +347,7 @@ class GGUFFloatMethod(LinearMethod):
                 and self.gguf.gguf_name("lm_head") == "token_embd.weight"):
             # the same tensor's blocks, already checked against the output layer's weight, which is the embedding's
             return GGUFEmbedding(lm_head.weight_blocks, scale, embed.weight.dtype)
-        raw = torch.from_numpy(np.array(entry[0], dtype=np.uint8, copy=True))
+        raw = raw_bytes(entry[0])
         if raw.shape[0] != vocab:
             return None
         weight = _core.cpu.QuantizedWeight(raw, entry[1], vocab, hidden)

@@ -11,6 +11,9 @@ returns is the apply). The methods:
   GGUFFloatMethod  (gguf_linear.py)   the GGUF's own blocks expanded exactly to
                                       float32 in registers (declines a layer
                                       whose blocks are not its float32 weights)
+  FloatTilesMethod (float_tiles.py)   a float checkpoint's own float32 / bfloat16
+                                      weights in the same kernel's dense tiles
+                                      (batch invariance without GGUF blocks)
   QuantizedMethod  (quantization.py)  a GGUF's own blocks of any type (else
                                       Q4_1 / Q8_0 quantised here), int8
                                       activations (--quantization: lossy, opt-in)
@@ -38,7 +41,7 @@ class LinearMethod(ABC):
 
     Attributes:
         name: the method's name in logs and tables ("torch", "onednn", "gguf",
-            "q4", "int8").
+            "tiles", "q4", "int8").
     """
 
     name: str = ""

@@ -1,7 +1,7 @@
 """Turns a loaded transformers model into what the engine runs: the linear
 layers built by one decision table of linear methods (linear_method.py:
-the GGUF's blocks, the float weights on a measured GEMM path, or quantised
-weights), and the decoder on PagedServe's lean forward or native step where
+the GGUF's blocks, a float checkpoint's weights in our GEMM's tiles, the
+float weights on a measured GEMM path, or quantised weights), and the decoder on PagedServe's lean forward or native step where
 the architecture has one (``--model-impl``). Runs after the start-up check's
 reference logits were taken from the model as loaded."""
 
@@ -15,6 +15,7 @@ import torch
 
 from .. import _core
 from .gguf_format import GGUFBlocks
+from .float_tiles import FloatTilesMethod, why_no_tiles
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, lean_linear_shapes, why_not_lean
 from .linear import DenseMethod, LinearChoice, OneDNNLinear, choose_linear_impl, describe
@@ -36,7 +37,7 @@ class PreparedModel:
             lean Llama decoder, or the native step over the Hugging
             Face modules (NativeStepDecoder: Gemma 3, Qwen 2 and 3); or None.
         model_impl: "pagedserve" or "transformers", and why (for the log).
-        linear_impl: the GEMM path ("torch", "onednn", "gguf") or the quantisation ("q4", "int8").
+        linear_impl: the GEMM path ("torch", "onednn", "gguf", "tiles") or the quantisation ("q4", "int8").
         linear_path: one line naming the linear layers' path and why.
         weight_bytes: bytes of the weights the engine computes with.
         linear_layers: per layer type, the method that runs it and why
@@ -92,7 +93,8 @@ def describe_batch_invariance(batch_invariant: bool, backend: str, dense_layers)
                     "same way in any step)")
     if dense_layers:
         gaps.append(f"{len(dense_layers)} linear layers on a library GEMM whose bits depend on the call's rows "
-                    f"(e.g. {dense_layers[0]}; only a GGUF's blocks or --quantization run our kernels)")
+                    f"(e.g. {dense_layers[0]}; our GEMM takes GGUF blocks, or float32 / bfloat16 weights whose "
+                    "in_features is a multiple of 32, on the CPU)")
     return "on" if not gaps else "on, except " + "; ".join(gaps)
 
 
@@ -147,7 +149,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             raise ValueError(f"--model-impl pagedserve: no lean forward for this model: {why_lean}")
     table, choice = linear_methods(model, dtype, device, linear_impl, quantization, gguf_path,
                                    lean_shapes=why_lean is None, batch_invariant=batch_invariant)
-    quantizer, builder = table.method(quantization), table.method("gguf")
+    quantizer, builder, tiles = table.method(quantization), table.method("gguf"), table.method("tiles")
     impl = table.methods[0].name
     lean = None
     if why_lean is None:
@@ -163,7 +165,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     # our kernels make all of a quantised (or gguf-path) decode step's GEMMs: their thread pool polls between
     # back-to-back calls instead of sleeping; with torch's GEMMs in between, polling would take the cores from
     # OpenMP's threads
-    ours = quantization != "none" or builder is not None
+    ours = quantization != "none" or builder is not None or tiles is not None
     _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
     if builder is not None:
         invariance_cost = False  # batch invariance keeps the blocks though the dense path measured much faster
@@ -188,6 +190,10 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                 and why_no_native_step(config, device) is None):
             # the Hugging Face modules, now on the blocks, under a native step (they serve what it does not)
             lean = NativeStepDecoder(model, max_model_len)
+    if builder is None and tiles is not None and tiles.layers:
+        released = _serve_from_tiles(model, lean, tiles)
+        if lean is None and model_impl != "transformers" and why_no_native_step(config, device) is None:
+            lean = NativeStepDecoder(model, max_model_len)  # the Hugging Face modules, now on the tiles
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
@@ -207,12 +213,18 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                        "faster here (--no-batch-invariant takes it)")
         path = (f"gguf: {builder.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
                 f"{_rows_served(builder)} ({builder.declined} layers dense{measured}); {larger}")
+    elif impl == "tiles":
+        path = (f"tiles: {tiles.native} layers on the model's own {str(dtype).removeprefix('torch.')} weights in "
+                f"our exact GEMM's tiles, calls of every size (batch invariance; --no-batch-invariant takes the "
+                f"measured library GEMM){released}; {tiles.declined} layers dense: {describe(choice)}")
     else:
         path = describe(choice)
         if builder is not None:
             path += (" (no layer's GGUF blocks are the model's float32 weights)" if gguf_ms is None else
                      f" (the dense path measured much faster here, {gguf_ms.source}: {gguf_ms.ms})")
     notes = {}
+    if tiles is not None and tiles.layers:
+        notes["tiles"] = "calls of every size"
     if builder is not None and builder.layers:
         notes["gguf"] = (_rows_served(builder) + ("" if builder.serves_all else ", larger ones dense")
                          if builder.max_rows > 0 else
@@ -234,8 +246,11 @@ def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     with the dense GEMM path's choice (None under --quantization):
 
       --quantization q4|int8       [QuantizedMethod]            (lossy, opt-in)
-      --linear-impl auto|gguf,     [GGUFFloatMethod, DenseMethod] (exact: the
-        float32 on the CPU, a GGUF                               blocks where they are the weights)
+      --linear-impl auto|gguf,     [GGUFFloatMethod, (FloatTilesMethod,) DenseMethod]
+        float32 on the CPU, a GGUF   (exact: the blocks where they are the weights; the
+                                     tiles take the rest under batch invariance)
+      --linear-impl auto, batch    [FloatTilesMethod, DenseMethod] (exact: the model's own
+        invariance, no GGUF          weights in our GEMM's tiles)
       otherwise                    [DenseMethod]                (the chooser's GEMM path)
 
     The dense path is measured on the shapes the engine runs (the lean
@@ -251,14 +266,17 @@ def linear_methods(model: torch.nn.Module, dtype: torch.dtype, device: torch.dev
     choice = choose_linear_impl(model, dtype, device, "auto" if linear_impl == "gguf" else linear_impl,
                                 shapes=lean_linear_shapes(model) if lean_shapes else None)
     dense = DenseMethod(choice)
+    # under batch invariance, layers without GGUF blocks take our GEMM on their own weights
+    tiles = ([FloatTilesMethod(dtype)] if batch_invariant and linear_impl in ("auto", "gguf")
+             and why_no_tiles(dtype, device) is None else [])
     if linear_impl in ("auto", "gguf"):
         gguf = GGUFBlocks.read(gguf_path) if gguf_path and torch.device(device).type == "cpu" else None
         why_gguf = why_no_gguf_path(dtype, device, gguf)
         if why_gguf is not None and linear_impl == "gguf":
             raise ValueError(f"--linear-impl gguf cannot run here: {why_gguf}")
         if why_gguf is None:
-            return LinearMethodTable([GGUFFloatMethod(gguf, config, dense, dtype=dtype), dense]), choice
-    return LinearMethodTable([dense]), choice
+            return LinearMethodTable([GGUFFloatMethod(gguf, config, dense, dtype=dtype)] + tiles + [dense]), choice
+    return LinearMethodTable(tiles + [dense]), choice
 
 
 def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, builder: GGUFFloatMethod) -> str:
@@ -280,6 +298,25 @@ def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, bu
     if lean is not None:
         lean.build_native()
     return what
+
+
+def _serve_from_tiles(model: torch.nn.Module, lean: LeanLlamaDecoder | None, tiles: FloatTilesMethod) -> str:
+    """Where a float checkpoint's layers are on our GEMM's tiles: the embedding
+    becomes lookups in the tied output layer's tiles where they give its values
+    (FloatTilesMethod.tied_embedding), and the tensors the model still holds
+    get memory of their own (_own_memory). Returns what changed, for the log
+    ("" or "; the embedding read from the tiles of the tied output layer")."""
+    embedding = tiles.tied_embedding(model.get_input_embeddings(), model.lm_head)
+    if embedding is not None:
+        model.set_input_embeddings(embedding)
+        if lean is not None:
+            lean.embed_tokens = embedding
+    _own_memory(model)
+    if embedding is None:
+        return ""
+    if lean is not None:
+        lean.build_native()
+    return "; the embedding read from the tiles of the tied output layer"
 
 
 def _own_memory(model: torch.nn.Module) -> None:
