@@ -151,6 +151,18 @@ def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_
     assert not off.engine.linear_path.startswith("tiles")
 
 
+def test_gpt2s_conv1d_projections_are_named_as_on_a_library_gemm(tmp_path):
+    """GPT-2's projections are transformers' Conv1D (torch.addmm), not nn.Linear: the tiles take only its output
+    layer, so the start-up log must not claim invariance."""
+    import families
+
+    llm = LLM(model=families.build("gpt2", tmp_path / "gpt2"), skip_tokenizer_init=True, num_kv_blocks=16)
+    assert llm.engine.linear_path.startswith("tiles: 1 layers")
+    assert llm.engine.batch_invariance.startswith("on, except 8 linear layers on a library GEMM"), \
+        llm.engine.batch_invariance
+    assert "transformer.h.0.attn.c_attn" in llm.engine.batch_invariance
+
+
 _VARIANT = """
 import json, sys
 import torch

@@ -36,11 +36,13 @@ void bind_quant(py::module_& m) {
            py::arg("raw"), py::arg("qtype"), py::arg("out_features"), py::arg("in_features"),
            "raw: uint8 [out_features, in_features / block_elements * block_bytes] contiguous, the tensor's GGUF "
            "blocks row by row (per block of 32 elements: Q4_0 18 bytes, Q4_1 20, Q5_0 22, Q5_1 24, Q8_0 34; per "
-           "256: Q4_K 144, Q5_K 176, Q6_K 210); qtype 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k' or "
-           "'q6_k'; in_features a multiple of the block's elements. The bytes are copied (Q4_1 and Q8_0 as they "
+           "256: Q4_K 144, Q5_K 176, Q6_K 210), or for 'f32', 'f16', 'bf16' the row-major matrix's bytes; qtype "
+           "'q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'f32', 'f16' or 'bf16'; in_features "
+           "a multiple of the block's elements (32; the K-quants 256). The bytes are copied (Q4_1 and Q8_0 as they "
            "are; Q4_0 as Q4_1 blocks, 0.625 bytes per weight, and Q5_0 as Q8_0 blocks, 1.0625, of the same "
            "values; Q4_K as 4-bit quants with float32 scales, 0.75; Q5_1, Q5_K as 5-bit ones, 0.875; Q6_K as int8 "
-           "quants with float32 scales per 16 elements, 1.5). "
+           "quants with float32 scales per 16 elements, 1.5; F32, F16, BF16 as they are in dense tiles, 4 / 2 / 2: "
+           "linear_f32, dequantize and embedding only). "
            "Raises KernelArgumentError.")
       .def(
           "dequantize",

@@ -151,8 +151,8 @@ QType parse_qtype(const std::string& name) {
   for (const TypeInfo& t : kTypes) {
     if (lower == t.name) return t.type;
   }
-  throw KernelArgumentError("qtype must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f32, f16, bf16, got '" + name +
-                            "'");
+  throw KernelArgumentError("qtype must be one of q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k, f32, f16, bf16, "
+                            "got '" + name + "'");
 }
 
 const char* qtype_name(QType q) { return info(q).name; }

@@ -447,8 +447,9 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
                                  int num_threads, const QuantKernelTable& kernels) const {
   if (!integer_ok_) {
     throw KernelArgumentError(std::string("linear (int8 activations) cannot run this ") + qtype_name(qtype_) +
-                              " weight: its tiles hold minima per 16 elements, which the integer kernels do not "
-                              "take; use linear_f32");
+                              (dense_format(format_) ? " weight: its tiles hold unquantised values"
+                                                     : " weight: its tiles hold minima per 16 elements") +
+                              ", which the integer kernels do not take; use linear_f32");
   }
   if (m <= 0) return;
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows;

@@ -101,15 +101,18 @@ class FloatTilesMethod(LinearMethod):
     def tied_embedding(self, embed: torch.nn.Embedding, lm_head: torch.nn.Module) -> GGUFEmbedding | None:
         """The embedding as lookups in the tied output layer's tiles (one copy of
         the table, not two), where ``lm_head`` is on the tiles of ``embed``'s
-        very weight and the lookup gives its values bit for bit: float32, or a
-        bfloat16 table without a scale (GGUFEmbedding scales in float32 and
-        rounds once; a bfloat16 module rounds the scale first). Else None."""
+        very weight; else None. The lookup gives the module's values bit for
+        bit: GGUFEmbedding multiplies by the scale (Gemma's sqrt(hidden)) in
+        float32 and rounds once to the model's dtype; a bfloat16 module
+        multiplies by its scale rounded to bfloat16 (the product of two
+        bfloat16 values is exact in float32), so that rounded scale is the one
+        passed."""
         weight = getattr(embed, "weight", None)
         if not isinstance(lm_head, GGUFFloatLinear) or lm_head not in self.layers or weight is None:
             return None
         if self.tied_source is not weight:
             return None
         scale = getattr(embed, "embed_scale", None)
-        if scale is not None and self.dtype != torch.float32:
-            return None
+        if scale is not None:
+            scale = torch.as_tensor(scale).detach().to(self.dtype).float()
         return GGUFEmbedding(lm_head.weight_blocks, scale, self.dtype)

@@ -1,9 +1,10 @@
 """Turns a loaded transformers model into what the engine runs: the linear
 layers built by one decision table of linear methods (linear_method.py:
 the GGUF's blocks, a float checkpoint's weights in our GEMM's tiles, the
-float weights on a measured GEMM path, or quantised weights), and the decoder on PagedServe's lean forward or native step where
-the architecture has one (``--model-impl``). Runs after the start-up check's
-reference logits were taken from the model as loaded."""
+float weights on a measured GEMM path, or quantised weights), and the
+decoder on PagedServe's lean forward or native step where the architecture
+has one (``--model-impl``). Runs after the start-up check's reference logits
+were taken from the model as loaded."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers.pytorch_utils import Conv1D
 
 from .. import _core
 from .gguf_format import GGUFBlocks
@@ -58,8 +60,9 @@ class PreparedModel:
 
 def dense_gemm_layers(model: torch.nn.Module) -> list[str]:
     """Names (in ``model``) of the linear layers some of whose calls run a
-    library GEMM (torch.nn.Linear, OneDNNLinear, or a GGUFFloatLinear's dense
-    layer above its row bound): MKL and oneDNN choose their blocking, and so
+    library GEMM (torch.nn.Linear, transformers' Conv1D (GPT-2's projections:
+    torch.addmm), OneDNNLinear, or a GGUFFloatLinear's dense layer above its
+    row bound): MKL and oneDNN choose their blocking, and so
     the summation order of a row, by the call's row count (checked on this
     CPU: every row of a float32 F.linear alone had other bits than in a 40-row
     call), so batch invariance does not hold for them. The GGUF blocks'
@@ -75,7 +78,7 @@ def dense_gemm_layers(model: torch.nn.Module) -> list[str]:
         elif isinstance(module, QuantLinear):
             if module.dense_prefill:
                 names.append(name)
-        elif isinstance(module, (torch.nn.Linear, OneDNNLinear)) and id(module) not in covered:
+        elif isinstance(module, (torch.nn.Linear, Conv1D, OneDNNLinear)) and id(module) not in covered:
             names.append(name)
     return names
 
@@ -93,8 +96,8 @@ def describe_batch_invariance(batch_invariant: bool, backend: str, dense_layers)
                     "same way in any step)")
     if dense_layers:
         gaps.append(f"{len(dense_layers)} linear layers on a library GEMM whose bits depend on the call's rows "
-                    f"(e.g. {dense_layers[0]}; our GEMM takes GGUF blocks, or float32 / bfloat16 weights whose "
-                    "in_features is a multiple of 32, on the CPU)")
+                    f"(e.g. {dense_layers[0]}; our GEMM takes GGUF blocks, or nn.Linear float32 / bfloat16 "
+                    "weights whose in_features is a multiple of 32, on the CPU)")
     return "on" if not gaps else "on, except " + "; ".join(gaps)
 
 
