@@ -151,16 +151,24 @@ def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_
     assert not off.engine.linear_path.startswith("tiles")
 
 
-def test_gpt2s_conv1d_projections_are_named_as_on_a_library_gemm(tmp_path):
-    """GPT-2's projections are transformers' Conv1D (torch.addmm), not nn.Linear: the tiles take only its output
-    layer, so the start-up log must not claim invariance."""
+def test_gpt2s_conv1d_projections_take_the_tiles_or_are_named_as_on_a_library_gemm(tmp_path):
+    """GPT-2's projections are transformers' Conv1D (x @ W + b by torch.addmm), not nn.Linear: under batch
+    invariance they take the tiles as the nn.Linear of W.T, and the model is invariant; with --linear-impl torch
+    the start-up log names them as on a library GEMM."""
     import families
 
-    llm = LLM(model=families.build("gpt2", tmp_path / "gpt2"), skip_tokenizer_init=True, num_kv_blocks=16)
-    assert llm.engine.linear_path.startswith("tiles: 1 layers")
-    assert llm.engine.batch_invariance.startswith("on, except 8 linear layers on a library GEMM"), \
-        llm.engine.batch_invariance
-    assert "transformer.h.0.attn.c_attn" in llm.engine.batch_invariance
+    path = families.build("gpt2", tmp_path / "gpt2")
+    kwargs = dict(model=path, skip_tokenizer_init=True, num_kv_blocks=128, enable_prefix_caching=False)
+    llm = LLM(**kwargs)
+    assert llm.engine.linear_path.startswith("tiles: 9 layers") and llm.engine.batch_invariance == "on"
+    prompts = _token_prompts(256)
+    alone = _run(llm, prompts, batched=False)
+    assert _run(llm, prompts, batched=True) == alone
+    del llm
+    dense = LLM(linear_impl="torch", **kwargs)
+    assert dense.engine.batch_invariance.startswith("on, except 9 linear layers on a library GEMM"), \
+        dense.engine.batch_invariance
+    assert "transformer.h.0.attn.c_attn" in dense.engine.batch_invariance
 
 
 _VARIANT = """

@@ -76,6 +76,16 @@ def fused_bias(modules: list[torch.nn.Module]) -> torch.Tensor | None:
                       for m in modules]).contiguous()
 
 
+def as_linear(conv: torch.nn.Module) -> torch.nn.Linear:
+    """transformers' Conv1D (weight [in, out], bias [out]) as the nn.Linear
+    computing the same layer: weight [out, in] (a transposed copy), the same
+    bias tensor."""
+    linear = torch.nn.Linear(conv.nx, conv.nf, bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(conv.weight.detach().t().contiguous(), requires_grad=False)
+    linear.bias = conv.bias
+    return linear
+
+
 def layer_type(names: list[str]) -> str:
     """The layer type of a (fused) layer's parts, for the log: their names
     without the layer index, joined by "+" (``self_attn.q_proj+self_attn.k_proj+
@@ -119,16 +129,22 @@ class LinearMethodTable:
             return module
         raise ValueError(f"no linear method takes {', '.join(names)}: {'; '.join(declined)}")
 
-    def install(self, model: torch.nn.Module) -> int:
+    def install(self, model: torch.nn.Module, conv1d: bool = False) -> int:
         """Replaces every plain ``nn.Linear`` of a transformers model (not
         subclasses: their forward may do more than x @ W.T + b) by what the
-        table builds for it alone, in place. Returns how many were replaced."""
+        table builds for it alone, in place; with ``conv1d`` also every
+        transformers ``Conv1D`` (GPT-2's projections: x @ W + b, W [in, out]),
+        which the table sees as the nn.Linear of W.T (as_linear). Returns how
+        many were replaced."""
+        from transformers.pytorch_utils import Conv1D
+
         n = 0
         for qual, module in list(model.named_modules()):
             for child_name, child in list(module.named_children()):
-                if type(child) is torch.nn.Linear:
+                if type(child) is torch.nn.Linear or (conv1d and type(child) is Conv1D):
                     name = f"{qual}.{child_name}" if qual else child_name
-                    setattr(module, child_name, self([child], [name]))
+                    linear = child if type(child) is torch.nn.Linear else as_linear(child)
+                    setattr(module, child_name, self([linear], [name]))
                     n += 1
         return n
 
@@ -147,4 +163,4 @@ class LinearMethodTable:
         return "\n".join(lines)
 
 
-__all__ = ["LinearMethod", "LinearMethodTable", "fused_bias", "layer_type"]
+__all__ = ["LinearMethod", "LinearMethodTable", "as_linear", "fused_bias", "layer_type"]

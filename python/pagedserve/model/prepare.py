@@ -163,7 +163,9 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
         why = "pagedserve (lean Llama forward; " + (
             "asked for)" if model_impl == "pagedserve" else "auto: a Llama-architecture model)")
     else:
-        table.install(model)  # the Hugging Face modules' own linear layers
+        # the Hugging Face modules' own linear layers; with the tiles GPT-2's Conv1D projections too (else they
+        # would stay on torch's GEMM, outside batch invariance)
+        table.install(model, conv1d=tiles is not None)
         why = f"transformers ({why_lean})"
     # our kernels make all of a quantised (or gguf-path) decode step's GEMMs: their thread pool polls between
     # back-to-back calls instead of sleeping; with torch's GEMMs in between, polling would take the cores from
