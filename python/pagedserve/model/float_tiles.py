@@ -54,8 +54,7 @@ class FloatTilesMethod(LinearMethod):
     Attributes:
         native: layers (before fusion) on the tiles.
         declined: layers declined.
-        layers: the GGUFFloatLinear modules built.
-        max_rows: the largest call the tiles serve (always every size).
+        layers: the GGUFFloatLinear modules built (each serves calls of every size).
     Raises:
         ValueError: a dtype the tiles do not take.
     """
@@ -66,7 +65,7 @@ class FloatTilesMethod(LinearMethod):
         if dtype not in TILE_QTYPES:
             raise ValueError(why_no_tiles(dtype, torch.device("cpu")))
         self.dtype, self.qtype = dtype, TILE_QTYPES[dtype]
-        self.native, self.declined, self.max_rows = 0, 0, UNBOUNDED_ROWS
+        self.native, self.declined = 0, 0
         self.layers: list[GGUFFloatLinear] = []
         self.tied_source: torch.Tensor | None = None  # the weight the output layer ("lm_head") was built from
 
@@ -92,11 +91,6 @@ class FloatTilesMethod(LinearMethod):
         self.native += len(linears)
         self.layers.append(layer)
         return layer, f"the model's {str(self.dtype).removeprefix('torch.')} weights in our exact GEMM's tiles"
-
-    @property
-    def serves_all(self) -> bool:
-        """The tiles serve calls of every size (there is no dense layer)."""
-        return True
 
     def tied_embedding(self, embed: torch.nn.Embedding, lm_head: torch.nn.Module) -> GGUFEmbedding | None:
         """The embedding as lookups in the tied output layer's tiles (one copy of

@@ -294,14 +294,9 @@ def _serve_from_blocks(model: torch.nn.Module, lean: LeanLlamaDecoder | None, bu
     what = f"{dropped} dense layers dropped"
     embedding = builder.embedding(model.get_input_embeddings(), model.lm_head)
     if embedding is not None:
-        if lean is not None:
-            lean.embed_tokens = embedding
-        model.set_input_embeddings(embedding)  # the float32 table had no other user left
         shared = embedding.weight_blocks is getattr(model.lm_head, "weight_blocks", None)
         what += ", the embedding read from the blocks" + (" of the tied output layer" if shared else "")
-    _own_memory(model)
-    if lean is not None:
-        lean.build_native()
+    _settle(model, lean, embedding)
     return what
 
 
@@ -312,16 +307,23 @@ def _serve_from_tiles(model: torch.nn.Module, lean: LeanLlamaDecoder | None, til
     get memory of their own (_own_memory). Returns what changed, for the log
     ("" or "; the embedding read from the tiles of the tied output layer")."""
     embedding = tiles.tied_embedding(model.get_input_embeddings(), model.lm_head)
+    _settle(model, lean, embedding)
+    return "" if embedding is None else "; the embedding read from the tiles of the tied output layer"
+
+
+def _settle(model: torch.nn.Module, lean: LeanLlamaDecoder | None, embedding: GGUFEmbedding | None) -> None:
+    """Once the linear layers are on our kernel's blocks or tiles: puts
+    ``embedding`` (lookups in them; None: the model keeps its own) in the
+    model and the lean forward (the float table has no other user left),
+    gives the tensors the model still holds memory of their own, and rebuilds
+    the native step on what the lean forward now holds."""
     if embedding is not None:
         model.set_input_embeddings(embedding)
         if lean is not None:
             lean.embed_tokens = embedding
     _own_memory(model)
-    if embedding is None:
-        return ""
     if lean is not None:
         lean.build_native()
-    return "; the embedding read from the tiles of the tied output layer"
 
 
 def _own_memory(model: torch.nn.Module) -> None:
