@@ -226,6 +226,14 @@ PYBIND11_MODULE(_core, m) {
       .value("LENGTH", FinishReason::kLength)
       .value("ABORT", FinishReason::kAbort);
 
+  py::enum_<CallerFinish>(m, "CallerFinish",
+                          "What the caller of Scheduler.update found for one sampled token: NONE; STOP (a stop "
+                          "string, a grammar's end, a pooled prompt: the sequence ends with STOP); "
+                          "STOP_IF_FINISHED (a stop string completes in held-back text: LENGTH becomes STOP)")
+      .value("NONE", CallerFinish::kNone)
+      .value("STOP", CallerFinish::kStop)
+      .value("STOP_IF_FINISHED", CallerFinish::kStopIfFinished);
+
   py::class_<StopCriteria>(m, "StopCriteria")
       .def(py::init<>())
       .def(py::init([](int32_t max_tokens, bool ignore_eos, std::vector<int32_t> eos,
@@ -344,7 +352,8 @@ PYBIND11_MODULE(_core, m) {
            py::arg("reason"))
       .def_property_readonly("prefix_cache_stats", &Scheduler::prefix_cache_stats)
       .def("schedule", &Scheduler::schedule)
-      .def("update", &Scheduler::update, py::arg("sampled_token_ids"))
+      .def("update", &Scheduler::update, py::arg("sampled_token_ids"),
+           py::arg("finished_by_caller") = std::vector<CallerFinish>{})
       .def("add_draft_tokens", &Scheduler::add_draft_tokens, py::arg("request_id"), py::arg("index"),
            py::arg("draft"))
       .def("accept_draft_tokens", &Scheduler::accept_draft_tokens, py::arg("request_id"), py::arg("index"),

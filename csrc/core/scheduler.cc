@@ -293,17 +293,27 @@ FinishReason Scheduler::check_stop(const Sequence& seq) const {
   return FinishReason::kNone;
 }
 
-std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sampled_token_ids) {
+std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sampled_token_ids,
+                                              const std::vector<CallerFinish>& finished_by_caller) {
   if (sampled_token_ids.size() != last_num_samples_) {
     throw InvalidArgumentError("update() got " + std::to_string(sampled_token_ids.size()) +
                                 " sampled tokens, the last schedule() asked for " +
                                 std::to_string(last_num_samples_));
   }
+  if (!finished_by_caller.empty() && finished_by_caller.size() != sampled_token_ids.size()) {
+    throw InvalidArgumentError("update() got " + std::to_string(finished_by_caller.size()) +
+                                " finished_by_caller flags for " + std::to_string(sampled_token_ids.size()) +
+                                " sampled tokens");
+  }
   std::vector<SequenceUpdate> updates;
   size_t s = 0;
-  auto commit = [&](const SeqPtr& seq, int32_t token) {
+  auto commit = [&](const SeqPtr& seq, size_t i) {
+    const int32_t token = sampled_token_ids[i];
+    const CallerFinish caller = finished_by_caller.empty() ? CallerFinish::kNone : finished_by_caller[i];
     seq->token_ids.push_back(token);
-    SequenceUpdate u{seq->request_id, seq->index, token, check_stop(*seq), seq->num_cached_tokens};
+    FinishReason reason = caller == CallerFinish::kStop ? FinishReason::kStop : check_stop(*seq);
+    if (reason == FinishReason::kLength && caller == CallerFinish::kStopIfFinished) reason = FinishReason::kStop;
+    SequenceUpdate u{seq->request_id, seq->index, token, reason, seq->num_cached_tokens};
     if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
     updates.push_back(std::move(u));
   };
@@ -321,8 +331,8 @@ std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sample
     std::vector<SeqPtr> children;  // fork before the parent's own token goes in
     for (int32_t i = 1; i < k; ++i) children.push_back(fork(seq, i));
     seq->num_forks = 1;
-    commit(seq, sampled_token_ids[first]);
-    for (int32_t i = 1; i < k; ++i) commit(children[i - 1], sampled_token_ids[first + i]);
+    commit(seq, first);
+    for (int32_t i = 1; i < k; ++i) commit(children[i - 1], first + i);
   }
   last_scheduled_.clear();
   last_num_samples_ = 0;

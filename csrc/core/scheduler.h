@@ -95,10 +95,15 @@ class Scheduler {
 
   // Commits the last schedule(): advances num_computed_tokens of every scheduled
   // sequence, gives each sampling sequence its next num_samples tokens of
-  // sampled_token_ids (forking the extra ones into new sequences), applies stop
-  // criteria and frees finished sequences. Throws InvalidArgumentError if the
-  // count differs from sum(num_samples) of the last output.
-  std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids);
+  // sampled_token_ids (forking the extra ones into new sequences), decides
+  // which end and why, and frees them. The one place a sequence ends in a step:
+  // finished_by_caller (empty: all kNone; else one per sampled token, in the
+  // same order) says what the caller found (stop strings, a grammar's end);
+  // kStop wins, else the stop criteria (EOS, stop_token_ids: kStop; max_tokens,
+  // max_model_len: kLength, turned into kStop by kStopIfFinished). Throws
+  // InvalidArgumentError if a count differs from sum(num_samples) of the last output.
+  std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids,
+                                     const std::vector<CallerFinish>& finished_by_caller = {});
 
   // Speculative decoding (scheduler_drafts.cc). Appends proposed tokens to
   // choice `index` of a request (prompt lookup: Saxena 2023; verification:
@@ -132,7 +137,8 @@ class Scheduler {
   // Ends a request in any state and frees its blocks at once. Returns false if
   // the id is unknown (already finished). reason: kStop (stop string) or kAbort.
   bool finish_request(const std::string& request_id, FinishReason reason);
-  // Ends one sequence (choice `index`) of a request, e.g. on a stop string.
+  // Ends one sequence (choice `index`) of a request at once (outside a step's
+  // update(), which takes the caller's stops itself).
   bool finish_sequence(const std::string& request_id, int32_t index, FinishReason reason);
   bool abort(const std::string& request_id) { return finish_request(request_id, FinishReason::kAbort); }
 

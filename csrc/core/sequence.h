@@ -16,8 +16,16 @@ enum class FinishReason { kNone, kStop, kLength, kAbort };
 // "stop", "length", "abort" or "" (kNone), as the OpenAI API spells them.
 const char* finish_reason_str(FinishReason r);
 
+// What the caller of Scheduler::update found for one sampled token, from what
+// only it sees (the text, the grammar, the request kind): kStop ends the
+// sequence with kStop (a stop string, a grammar's end, an embedding request's
+// prompt pooled); kStopIfFinished: a stop string completes in text the
+// detokenizer still holds back, so if the sequence ends at this token for
+// another reason (length) the reason is kStop.
+enum class CallerFinish : uint8_t { kNone, kStop, kStopIfFinished };
+
 // Stopping rules the core applies in Scheduler::update (stop *strings* are a
-// text matter and are handled in Python, which then calls finish_request).
+// text matter: Python finds them and passes CallerFinish to update()).
 struct StopCriteria {
   int32_t max_tokens = 16;              // output tokens, >= 1
   bool ignore_eos = false;

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from . import _core
 
 
 @dataclass(frozen=True)
@@ -39,9 +38,11 @@ class CpuCapabilities:
 @functools.lru_cache(maxsize=1)
 def cpu_capabilities() -> CpuCapabilities:
     """This CPU's capabilities (detected once per process)."""
+    from .kernels import cpu_core  # here: the kernels package settles oneMKL on import, not needed before
+
     onednn_bf16 = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return CpuCapabilities(arch=_core.cpu.cpu_arch(), features=tuple(_core.cpu.cpu_features()),
-                           native_bf16=_core.cpu.native_bf16(), onednn_bf16=onednn_bf16)
+    return CpuCapabilities(arch=cpu_core.cpu_arch(), features=tuple(cpu_core.cpu_features()),
+                           native_bf16=cpu_core.native_bf16(), onednn_bf16=onednn_bf16)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -54,8 +55,8 @@ def resolve_dtype(dtype: str, device: str = "cpu") -> tuple[torch.dtype, str]:
     the model's own up to float32 summation order), and the fastest one for
     few users: with a GGUF model its decode calls read the file's own blocks
     (the gguf GEMM path), where bfloat16 reads a de-quantised copy twice the
-    size of a 4-bit file (measured on a 2-core AVX-512-BF16 EPYC: 17.7 vs 43.9
-    ms per token for one user). bfloat16 rounds every weight and activation,
+    size of a 4-bit file (about 2.5x the time per token for one user:
+    docs/benchmarks.md, "Behind the code"). bfloat16 rounds every weight and activation,
     so answers depend on what shares the batch: it is opt-in (``--dtype
     bfloat16``), as --quantization is. On a GPU device: bfloat16. Raises
     ValueError for an unknown name.

@@ -245,6 +245,38 @@ TEST(Scheduler, UpdateChecksTheSampledCount) {
   EXPECT_EQ(s.output_token_ids("a"), (std::vector<int32_t>{5}));
 }
 
+// update() is the one place a sequence ends: the caller's STOP wins over
+// running on, STOP_IF_FINISHED turns only a length finish into stop, EOS stays
+// stop whatever the caller says, and n = 2 choices each take their own flag.
+TEST(Scheduler, UpdateCombinesTheCallersStopsWithTheStopCriteria) {
+  Scheduler s({8, 64, 256}, 16, 16);
+  StopCriteria st = stop_after(2);
+  st.eos_token_ids = {0};
+  s.add_request("caller", prompt(3), st);     // the caller ends it at its first token
+  s.add_request("if_finished", prompt(4), st);  // STOP_IF_FINISHED at the first token: runs on
+  s.add_request("eos", prompt(5), st);        // EOS with no caller flag: stop
+  s.add_request("forks", prompt(6), st, "", 2);  // n = 2: only choice 1 stopped by the caller
+  s.schedule();
+  auto ups = s.update({7, 7, 0, 7, 7}, {CallerFinish::kStop, CallerFinish::kStopIfFinished, CallerFinish::kNone,
+                                        CallerFinish::kNone, CallerFinish::kStop});
+  std::map<std::string, FinishReason> got;
+  for (const auto& u : ups) got[u.request_id + ":" + std::to_string(u.index)] = u.finish_reason;
+  EXPECT_EQ(got["caller:0"], FinishReason::kStop);
+  EXPECT_EQ(got["if_finished:0"], FinishReason::kNone);
+  EXPECT_EQ(got["eos:0"], FinishReason::kStop);
+  EXPECT_EQ(got["forks:0"], FinishReason::kNone);
+  EXPECT_EQ(got["forks:1"], FinishReason::kStop);
+  s.schedule();  // if_finished:0 and forks:0 decode their second (last) token
+  EXPECT_THROW(s.update({7, 7}, {CallerFinish::kNone}), InvalidArgumentError);  // one flag per sample
+  ups = s.update({7, 7}, {CallerFinish::kStopIfFinished, CallerFinish::kNone});
+  ASSERT_EQ(ups.size(), 2u);
+  EXPECT_EQ(ups[0].request_id, "if_finished");
+  EXPECT_EQ(ups[0].finish_reason, FinishReason::kStop);  // length, with a stop string in held-back text
+  EXPECT_EQ(ups[1].finish_reason, FinishReason::kLength);
+  EXPECT_FALSE(s.has_unfinished_requests());
+  expect_all_free(s);
+}
+
 TEST(Scheduler, ManyRequestsUnderPressureAllFinishAndFreeEverything) {
   Scheduler s({6, 40, 512}, 12, 16);
   std::map<std::string, std::pair<int32_t, int32_t>> spec;

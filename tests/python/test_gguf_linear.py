@@ -163,9 +163,6 @@ def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_betwee
             real(key, value, k_cache, v_cache, slots, num_threads)
             assert torch.equal(k_cache[0, :, :, 0], key[0]) and torch.equal(v_cache[1, :, 0], value[16])
 
-    class Core:
-        cpu = Cpu()
-
     timed = []
     real_time_cases = tuner.time_cases
 
@@ -176,7 +173,7 @@ def test_the_tuner_times_the_blocks_and_the_dense_path_with_a_pool_kernel_betwee
         timed.append(len(kernel_calls) - before)
         return out
 
-    monkeypatch.setattr(gguf_linear, "_core", Core())
+    monkeypatch.setattr(gguf_linear, "cpu_core", Cpu())
     monkeypatch.setattr(tuner, "time_cases", spy)
     tuning = builder.tune(rows=(1, 4), rounds=1, max_rounds=1, use_cache=False)
     assert set(tuning.ms) == {"gguf", "dense"} and len(timed) == 2 and all(n > 0 for n in timed)

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.lean_llama import LeanLlamaDecoder, why_not_lean
-from pagedserve.model.runner import check_prompt
+from pagedserve.model.startup_check import check_logits, check_prompt
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -50,8 +50,8 @@ def logits_gap(lean: LLM, ref: LLM, n: int = 8) -> float:
     by 5.1e-5. The engine's start-up check compares with that model, at a
     tolerance relative to the logits.)"""
     ids = check_prompt(lean.engine.model.config.vocab_size, 16, 64)[: n + 1]
-    got = lean.engine.runner.check_logits(ids)[0]
-    want = ref.engine.runner.check_logits(ids)[0]
+    got = check_logits(lean.engine.runner, ids)[0]
+    want = check_logits(ref.engine.runner, ids)[0]
     assert ref.engine.runner.lean is None and lean.engine.linear_impl == ref.engine.linear_impl
     return float((got - want).abs().max())
 

@@ -119,7 +119,7 @@ def test_a_named_path_is_used_without_measuring_and_refused_where_it_cannot_run(
 
 
 def test_the_engine_logs_its_choice(tiny_llama_dir, cache, caplog):
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         llm = LLM(model=tiny_llama_dir, dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear layers: ")]
     assert lines == [f"linear layers: {llm.engine.linear_path}"]

@@ -17,7 +17,7 @@ from pagedserve.errors import KernelArgumentError
 from pagedserve.model.gguf_linear import GGUFFloatLinear
 from pagedserve.model.lean_llama import _LINEARS
 from pagedserve.model.gguf_format import quantize_rows
-from pagedserve.model.runner import check_prompt
+from pagedserve.model.startup_check import check_logits, check_prompt
 
 from test_lean_llama import make_llama, prompts
 
@@ -65,11 +65,11 @@ def native_and_python(llm: LLM, token_prompts):
     counting = CountingNative(lean.native)
     lean.native = counting
     ids = check_prompt(llm.engine.model.config.vocab_size, 16, 64)
-    native_logits = llm.engine.runner.check_logits(ids)[0]
+    native_logits = check_logits(llm.engine.runner, ids)[0]
     native_out = llm.generate(token_prompts, GREEDY)
     assert counting.calls > len(token_prompts), "the native step did not run"
     lean.native = None
-    python_logits = llm.engine.runner.check_logits(ids)[0]
+    python_logits = check_logits(llm.engine.runner, ids)[0]
     python_out = llm.generate(token_prompts, GREEDY)
     lean.native = counting.native
     return native_logits, python_logits, native_out, python_out

@@ -16,7 +16,7 @@ import families
 from pagedserve import LLM, SamplingParams, _core
 from pagedserve.errors import KernelArgumentError
 from pagedserve.model.native_step import NativeStepDecoder, why_no_native_step
-from pagedserve.model.runner import check_prompt
+from pagedserve.model.startup_check import check_logits, check_prompt
 
 from test_lean_llama import prompts
 from test_native_decoder import q8_gguf_linear
@@ -66,13 +66,13 @@ def test_the_native_step_equals_the_hugging_face_modules_on_tiny_models(tmp_path
     counting = decoder.native = CountingNative(decoder.native)
     ids = check_prompt(llm.engine.model.config.vocab_size, 16, 64)
     token_prompts = prompts(llm.engine.model.config.vocab_size, lengths=(1, 5, 30, 70))  # 30, 70 > the window
-    native_logits = llm.engine.runner.check_logits(ids)[0]
+    native_logits = check_logits(llm.engine.runner, ids)[0]
     native_out = llm.generate(token_prompts, GREEDY)
     assert counting.calls > len(token_prompts), "the native step did not run"
     if families.windowed(family) and not overrides:
         assert counting.window_plans == counting.calls  # every step read its local layers through the window plan
     decoder.native = None  # the Hugging Face modules, on the same blocks
-    hf_logits = llm.engine.runner.check_logits(ids)[0]
+    hf_logits = check_logits(llm.engine.runner, ids)[0]
     hf_out = llm.generate(token_prompts, GREEDY)
     scale = hf_logits.abs().max()
     assert (native_logits - hf_logits).abs().max() <= 1e-5 * scale

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
 from pagedserve.model.loader import default_gguf_path
-from pagedserve.model.runner import check_prompt, hf_reference_logits
+from pagedserve.model.startup_check import check_prompt, hf_reference_logits, startup_check
 from pagedserve.model.gguf_format import GGUFBlocks, dequantize_rows, quantize_rows, unpermute_rows
 from pagedserve.model.linear_method import LinearMethodTable
 from pagedserve.model.quantization import QuantizedMethod, QuantLinear
@@ -103,7 +103,7 @@ def test_a_float_checkpoint_is_quantised_on_load(tiny_llama_dir, quantization, t
     hf = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     ids = check_prompt(hf.config.vocab_size, 16, 64)
     reference, _ = hf_reference_logits(hf, ids)
-    gap = llm.engine.runner.startup_check(ids, reference, quantized=True).max_abs_diff
+    gap = startup_check(llm.engine.runner, ids, reference, quantized=True).max_abs_diff
     # int8 activations: about 2% of the logits' range here (0.10-0.13 of ~5); a wrong block, row order or
     # scale moves them by the logits' own size
     assert gap <= 0.05 * float(reference.abs().max())

@@ -144,7 +144,7 @@ def test_greedy_tokens_equal_decoding_without_speculation_beside_a_request_it_do
     del base
 
     spec = LLM(speculative="ngram", num_speculative_tokens=4, enable_prefix_caching=True)
-    with caplog.at_level(logging.INFO, logger="pagedserve.engine.llm_engine"):
+    with caplog.at_level(logging.INFO, logger="pagedserve.engine"):
         assert _tokens(spec.generate(prompts, greedy, use_tqdm=False)) == want  # all at once
     # each finished request logs its own acceptance; together they are the scheduler's counts
     found = [re.search(r"speculative decoding: (\d+) of (\d+) draft tokens accepted", r.getMessage())

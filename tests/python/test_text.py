@@ -1,5 +1,7 @@
 """Incremental detokenization and stop strings, on SmolLM2's tokenizer."""
 
+import dataclasses
+
 import pytest
 
 from pagedserve.engine.detokenizer import IncrementalDetokenizer
@@ -92,3 +94,31 @@ def test_gguf_fingerprint_follows_content_not_location(tmp_path):
     b.write_bytes(a.read_bytes())
     c.write_bytes(a.read_bytes()[:-1] + b"x")
     assert gguf_fingerprint(a) == gguf_fingerprint(b) != gguf_fingerprint(c)
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(smollm2_dir, tmp_path_factory):
+    from conftest import make_tiny_chat_model
+    from pagedserve import LLM
+
+    return LLM(model=make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_text"), 256), dtype="float32")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_a_stop_string_in_held_back_text_ends_a_length_finish_with_stop(tiny_llm, tokenizer, max_tokens):
+    """The scheduler's update() decides every finish: a token whose text ends in
+    an incomplete UTF-8 character (" " + 0xE2) is held back by the detokenizer;
+    at max_tokens the flush reveals the stop string " ", so the reason is
+    "stop" (STOP_IF_FINISHED), while the same flag on an earlier token does not
+    end the output."""
+    from pagedserve import SamplingParams
+
+    [held] = tokenizer.convert_tokens_to_ids(["Ġâ"])
+    assert tokenizer.decode([held]).endswith("\ufffd")
+    forced = SamplingParams(temperature=0, max_tokens=max_tokens, allowed_token_ids=[held], ignore_eos=True)
+    [out] = tiny_llm.generate(["Hello"], dataclasses.replace(forced, stop=[" "]), use_tqdm=False)
+    c = out.outputs[0]
+    assert c.token_ids == [held] * max_tokens
+    assert (c.finish_reason, c.stop_reason, c.text) == ("stop", " ", "")
+    [plain] = tiny_llm.generate(["Hello"], forced, use_tqdm=False)  # no stop string: the length finish stays
+    assert plain.outputs[0].finish_reason == "length" and plain.outputs[0].token_ids == [held] * max_tokens

@@ -1001,8 +1001,7 @@ void f32_tile_rows(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t rt,
 
 // Blocks per K range of the scratch path: the range's expanded weights (36 KB
 // for three groups) are read by every row tile; fewer partial-sum reloads
-// beat keeping them in L1 (measured: 64 k 343, 128 k 373, 192 k 385, 576 k
-// 387 GFLOP/s at 2048 rows; 192 k also the best at 32).
+// beat keeping them in L1 (docs/benchmarks.md, "Behind the code").
 constexpr int64_t kF32ChunkBlocks = 6;
 
 // Three row groups x up to 8 rows from the scratch (24 accumulators, as the
@@ -1388,8 +1387,8 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
 
 // The same rows from f32_expand's ws. Its own function, with the trip count
 // in a local: sharing the accumulators with f32_pass_direct's loop made GCC
-// keep them in memory and store all 12 after every k (measured: 65 GF/s a
-// core, half the FMA peak, on a 6-row pass).
+// keep them in memory and store all 12 after every k (half the FMA peak:
+// docs/benchmarks.md, "Behind the code").
 template <int R>
 void f32_pass_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, const float* ws) {
   const int64_t k_end = a.k;

@@ -40,8 +40,8 @@ constexpr int64_t kRowsPerItem = 64;  // activation rows per work item when M is
 // (docs/benchmarks.md, "Behind the code").
 constexpr int64_t kInlineF32Macs = int64_t{1} << 21;
 constexpr int64_t kInlineF32MacsSpinning = int64_t{1} << 17;
-// linear_f32: activation rows per work item when M is large (a multiple of kF32Rows; 48 measured 3% slower
-// than 96 at 2048 rows, 192 no faster than 96).
+// linear_f32: activation rows per work item when M is large (a multiple of kF32Rows; docs/benchmarks.md,
+// "Behind the code").
 constexpr int64_t kF32RowsPerItem = 8 * kF32Rows;
 
 uint16_t load_u16(const uint8_t* p) {

@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
           f"{eng.backend.name}{f' ({variant} kernels)' if variant else ''}; decoder forward {eng.model_impl}; "
           f"batch invariance {'on' if args.batch_invariant else 'off'}; "
           f"linear layers: {eng.linear_path}; weights {eng.weight_bytes / 2**20:.0f} MiB")
-    print(f"| system | time (s) | output tokens/s | vs static batching |")
-    print(f"|---|---:|---:|---:|")
+    print("| system | time (s) | output tokens/s | vs static batching |")
+    print("|---|---:|---:|---:|")
     for name, dt, tps in rows:
         print(f"| {name} | {dt:.2f} | {tps:.1f} | {tps / static_tps:.2f}x |")
     print(f"\nPagedServe outputs identical to static batching: {same}/{len(prompts)}")

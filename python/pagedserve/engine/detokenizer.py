@@ -43,9 +43,18 @@ class IncrementalDetokenizer:
             return text[len(prefix):]
         return ""
 
-    def flush(self) -> str:
-        """At the end of the output: whatever text is still held back (may hold U+FFFD)."""
+    def holds_text(self) -> bool:
+        """Whether tokens whose text is not handed out yet are held back."""
+        return self.read_offset < len(self.ids)
+
+    def pending(self) -> str:
+        """The text flush() would return now, without consuming it."""
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         text = self._decode(self.ids[self.prefix_offset:])
-        self.prefix_offset = self.read_offset = len(self.ids)
         return text[len(prefix):] if text.startswith(prefix) else ""
+
+    def flush(self) -> str:
+        """At the end of the output: whatever text is still held back (may hold U+FFFD)."""
+        text = self.pending()
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text

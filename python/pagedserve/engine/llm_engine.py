@@ -1,9 +1,13 @@
 """LLMEngine: the synchronous step loop (nano-vllm's LLMEngine, vLLM's EngineCore).
 
-One step = C++ Scheduler.schedule() (the decision) -> _core.ModelInput (its
-layout for the model) -> ModelRunner.execute() (one forward pass
-over every scheduled token) -> Sampler -> C++ Scheduler.update() -> detokenize,
-stop strings, RequestOutputs.
+One step, three calls: C++ Scheduler.schedule() (the decision; laid out by
+step_batch.py with the rows the runner must compute) -> ModelRunner.execute()
+(one forward pass over every scheduled token, then everything that touches
+logits: sampling, grammar masks, prompt logprobs, pooled rows) -> C++
+Scheduler.update() (commits the tokens and decides which sequences end and
+why, from the stop criteria and what this side found per token: detokenized
+text, stop strings, grammars) -> RequestOutputs. Construction is
+engine/startup.py's.
 """
 
 from __future__ import annotations
@@ -11,40 +15,28 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
-import os
-import sys
 import time
 
 import torch
 
 from .. import _core
 from ..config import EngineArgs
-from ..errors import ModelLoadError, RequestRejectedError
-from ..hardware import cpu_capabilities, release_free_memory, resolve_dtype
-from ..kernels import resolve_backend
-from ..kernels.backend import AttentionSpec
+from ..errors import RequestRejectedError
 from ..metrics import EngineMetrics
-from ..model.attention import register as register_attention
-from ..model.features import attention_features, dynamic_rope_limit
-from ..model.kv_cache import KVCache
-from ..model.loader import gguf_source, load_config, load_model
-from ..model.prepare import describe_batch_invariance, prepare_model
-from ..model.runner import ModelRunner, check_prompt, hf_reference_logits
-from ..model.sampler import Sampler, SamplingRow, compute_prompt_logprobs, raw_logprobs
+from ..model.runner import StepOutput
+from ..model.sampler import raw_logprobs
 from ..pooling_params import PoolingParams
 from ..sampling_params import SamplingParams
-from ..templates import load_chat_template
-from ..reasoning import get_parser
 from .outputs import Logprob, PoolingRequestOutput, RequestOutput
 from .pooling import Pooler
 from .request import Request
-from .spec_decode import make_speculative_decoder
+from .startup import build_engine
+from .step_batch import StepBatch, build_step_batch
 from .timeline import Timelines
 from .token_bytes import TokenBytes
 
 logger = logging.getLogger(__name__)
 
-_PROMPT_LOGPROBS_SLICE = 128  # prompt positions scored per lm_head call (memory bound)
 # a prompt closes the reasoning when its last tag in this many final tokens is the end tag (a template that
 # turned thinking off writes an empty <think></think> at the very end); earlier turns' tags do not count
 _PROMPT_TAIL_TOKENS = 16
@@ -58,8 +50,8 @@ class LLMEngine:
 
     Start-up decides, logs and keeps: the dtype (``self.dtype``, "auto"
     resolved from the CPU), the attention backend class and its kernel variant,
-    the linear-layer path; then the start-up check (ModelRunner.startup_check)
-    runs a short prompt through the engine and compares it with the Hugging
+    the linear-layer path (engine/startup.py); then the start-up check
+    (model/startup_check.py) runs a short prompt through the engine and compares it with the Hugging
     Face forward, so anything that cannot run on this machine fails here, not at
     the first request, and a model the engine would compute wrongly is refused.
 
@@ -83,166 +75,24 @@ class LLMEngine:
 
     def __init__(self, args: EngineArgs | None = None) -> None:
         self.args = args = args or EngineArgs()
-        self.device = torch.device(args.device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device 'cuda' asked for, but torch sees no CUDA device")
-        if self.device.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError("device 'mps' asked for, but torch sees no MPS device")
-        self.dtype, why_dtype = resolve_dtype(args.dtype, args.device)
-        path, name, hf_config = load_config(args.model)
-        hf = hf_config.get_text_config()
-        max_model_len = args.max_model_len or getattr(hf, "max_position_embeddings", None)
-        features = attention_features(hf_config, max_model_len or sys.maxsize)
-        backend_cls = resolve_backend(args.attention_backend, self.device, self.dtype, features)
-        if max_model_len is None:
-            raise ValueError(f"{name}'s config sets no max_position_embeddings: give max_model_len")
-        limit = getattr(hf, "max_position_embeddings", None)
-        if limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len {max_model_len} exceeds {name}'s max_position_embeddings ({limit})")
-        self.max_model_len = int(max_model_len)
-        rope = dynamic_rope_limit(hf_config)
-        if rope is not None and self.max_model_len > rope[1]:
-            raise ModelLoadError(
-                f"{name} uses {rope[0]} RoPE scaling, whose frequencies follow the longest position in each "
-                f"forward pass; in a packed batch that is another sequence's, so it is served exactly only with "
-                f"max_model_len <= {rope[1]} (asked: {self.max_model_len})")
-        variant = backend_cls.active_variant()  # raises for a kernel variant this CPU cannot run
-        loaded = load_model(path, name, hf_config, dtype=self.dtype, device=self.device,
-                            attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
-        self.model, self.tokenizer, self.model_path = loaded.model, loaded.tokenizer, loaded.path
-        if args.chat_template is not None:
-            if self.tokenizer is None:
-                raise ValueError("chat_template needs the model's tokenizer (do not skip_tokenizer_init)")
-            self.tokenizer.chat_template = load_chat_template(args.chat_template)
-        late = backend_cls.unsupported_features(attention_features(hf_config, self.max_model_len, self.model))
-        if late:  # parameters the config did not announce (attention sinks)
-            raise ModelLoadError(f"{name} needs {', '.join(late)}, which the {backend_cls.name} backend does "
-                                 "not implement")
-        # the start-up check's reference: the model exactly as loaded, before the engine changes anything
-        check_ids = check_prompt(hf.vocab_size, args.block_size, self.max_model_len)
-        try:
-            reference, noise = hf_reference_logits(self.model, check_ids)
-        except Exception as e:
-            raise ModelLoadError(f"{name}: the Hugging Face forward itself failed on the start-up check prompt "
-                                 f"({type(e).__name__}: {e})") from e
-        prepared = prepare_model(self.model, self.dtype, self.device, self.max_model_len,
-                                 linear_impl=args.linear_impl, quantization=args.quantization,
-                                 model_impl=args.model_impl, gguf_path=gguf_source(args.model),
-                                 native_step=args.native_step, batch_invariant=args.batch_invariant)
-        self.linear_impl, self.linear_path = prepared.linear_impl, prepared.linear_path
-        self.model_impl, self.weight_bytes = prepared.model_impl, prepared.weight_bytes
-        self.linear_layers = prepared.linear_layers
-        self.batch_invariance = describe_batch_invariance(args.batch_invariant, backend_cls.name,
-                                                          prepared.dense_gemm_layers)
-        self.model_name = args.served_model_name or loaded.name
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads  # GPT-2: MHA
-        block_size = args.block_size
-        block_bytes = KVCache.bytes_per_block(hf.num_hidden_layers, block_size, num_kv_heads, head_dim, self.dtype)
-        num_blocks = args.num_kv_blocks or max(1, min(args.kv_cache_memory // block_bytes, 2**31 - 1))
-        self.backend = backend_cls(AttentionSpec(hf.num_attention_heads, num_kv_heads, head_dim,
-                                                 block_size, num_blocks, self.dtype, self.device,
-                                                 batch_invariant=args.batch_invariant))
-        try:
-            self.kv_cache = KVCache(hf.num_hidden_layers, self.backend)
-        except (RuntimeError, MemoryError) as e:  # the allocator refused
-            raise ValueError(f"cannot allocate a KV store of {num_blocks} blocks "
-                             f"({num_blocks * block_bytes / 2**30:.1f} GiB): {e}") from e
-        self.scheduler = _core.Scheduler(
-            _core.SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens, self.max_model_len,
-                                  args.enable_prefix_caching, args.scheduling_policy, args.watermark,
-                                  args.high_watermark),
-            num_blocks, block_size)
-        if args.trace_steps is not None:  # every call into the scheduler, for `pagedserve replay`
-            from .step_trace import TracingScheduler
-
-            self.scheduler = TracingScheduler(self.scheduler, args.trace_steps)
-        self.runner = ModelRunner(self.model, self.kv_cache, self.backend, self.max_model_len, prepared.lean)
-        self.eos_token_ids = self._eos_token_ids()
-        self.sampler = Sampler(self.eos_token_ids)
-        self.spec_decoder = make_speculative_decoder(args, self.scheduler, self.eos_token_ids)
+        p = build_engine(args)  # engine/startup.py
+        self.device, self.dtype, self.max_model_len = p.device, p.dtype, p.max_model_len
+        self.model, self.tokenizer, self.model_path, self.model_name = p.model, p.tokenizer, p.model_path, p.model_name
+        self.linear_impl, self.linear_path, self.linear_layers = p.linear_impl, p.linear_path, p.linear_layers
+        self.model_impl, self.weight_bytes, self.batch_invariance = p.model_impl, p.weight_bytes, p.batch_invariance
+        self.backend, self.kv_cache, self.scheduler, self.runner = p.backend, p.kv_cache, p.scheduler, p.runner
+        self.eos_token_ids, self.spec_decoder, self.reasoning_parser = p.eos_token_ids, p.spec_decoder, \
+            p.reasoning_parser
         self.requests: dict[str, Request] = {}
         self.timelines = Timelines(args.request_timelines)
         self.num_steps = 0  # engine steps that ran (the timelines' step numbers)
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
-        self.reasoning_parser = get_parser(args.reasoning_parser)
-        if self.reasoning_parser is not None and self.tokenizer is None:
-            raise ValueError("--reasoning-parser needs the model's tokenizer")
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
         self.metrics = EngineMetrics(self.model_name, self.max_model_len,
                                      per_priority=args.scheduling_policy == "priority",
                                      speculative=args.speculative != "off")
-        why_backend = ("auto: the highest-priority backend available here" if args.attention_backend in (None, "auto")
-                       else "asked for")
-        if variant:
-            forced = os.environ.get("PAGEDSERVE_CPU_ISA")
-            why_backend += f"; kernel variant {variant}, " + (
-                "forced by PAGEDSERVE_CPU_ISA" if forced else "the best this CPU runs")
-        caps = cpu_capabilities() if self.device.type == "cpu" else None
-        logger.info("dtype %s (%s)", str(self.dtype).removeprefix("torch."), why_dtype)
-        logger.info("attention backend %s on %s (%s)%s", backend_cls.name, self.device, why_backend,
-                    f"; CPU {caps.arch}: {' '.join(caps.features) or 'baseline ISA only'}" if caps else "")
-        logger.info("decoder forward: %s", self.model_impl)
-        logger.info("linear layers: %s", self.linear_path)
-        logger.info("linear layers by type:\n  %s", self.linear_layers.replace("\n", "\n  "))
-        logger.info("batch invariance: %s", self.batch_invariance)
-        if self.spec_decoder is not None:
-            logger.info("speculative decoding: %s, %d draft tokens, n-grams of %d..%d tokens", args.speculative,
-                        args.num_speculative_tokens, args.prompt_lookup_min, args.prompt_lookup_max)
-            if self.batch_invariance != "on":
-                logger.warning("speculative decoding without full batch invariance (%s): a verified token can "
-                               "differ from decoding without speculation where a row's logits depend on the rows "
-                               "beside it", self.batch_invariance)
-        logger.info("memory: weights %.1f MiB, KV cache %d blocks x %d tokens (%.1f MiB), max_model_len %d",
-                    self.weight_bytes / 2**20, num_blocks, block_size, self.kv_cache.nbytes / 2**20,
-                    self.max_model_len)
-        logger.info("scheduler: %s policy%s, max_num_seqs %d, max_num_batched_tokens %d, prefix caching %s",
-                    args.scheduling_policy,
-                    f" (watermark {args.watermark:g}, high watermark {args.high_watermark:g})"
-                    if args.scheduling_policy == "memory-aware" else "",
-                    args.max_num_seqs, args.max_num_batched_tokens, "on" if args.enable_prefix_caching else "off")
-        try:
-            check = self.runner.startup_check(check_ids, reference, noise, quantized=args.quantization != "none")
-        except Exception as e:
-            raise RuntimeError(f"start-up check step failed with dtype {self.dtype}, attention backend "
-                               f"{backend_cls.name}, linear layers {self.linear_path} ({type(e).__name__}: {e}); "
-                               f"if the model's decoder is not a transformers decoder model, PagedServe cannot "
-                               f"serve it") from e
-        self._refuse_what_the_check_saw(name, check, features, hf.num_hidden_layers)
-        release_free_memory()  # what loading and preparing the model freed goes back to the OS
-
-    @staticmethod
-    def _refuse_what_the_check_saw(name: str, check, features, num_layers: int) -> None:
-        """Raises ModelLoadError when the start-up check shows the engine would
-        not compute what the model computes: a layer whose attention bypassed
-        our paged store, a configured sliding window no layer passed on, or
-        logits that differ from the Hugging Face forward's."""
-        if check.attention_calls != num_layers:
-            raise ModelLoadError(
-                f"{name}: one forward pass made {check.attention_calls} calls to the attention function for "
-                f"{num_layers} layers (PagedServe needs exactly one per layer): layers that bypass it (recurrent or "
-                "custom) or call it more than once would not keep their state in the paged KV cache")
-        if features.sliding_window is not None and check.windows == {None}:
-            raise ModelLoadError(f"{name}'s config sets a sliding window of {features.sliding_window}, but no "
-                                 "layer passed it to the attention function: it cannot be applied exactly")
-        if not check.max_abs_diff <= check.tolerance:
-            raise ModelLoadError(
-                f"{name}: the engine's logits differ from the Hugging Face forward's by {check.max_abs_diff:.3g} "
-                f"(allowed {check.tolerance:.3g}) on the start-up check prompt: the architecture does something "
-                "the engine does not replicate")
-        logger.info("start-up check: %d attention layers through the paged store, logits within %.2g of "
-                    "Hugging Face's (allowed %.2g)", check.attention_calls, check.max_abs_diff, check.tolerance)
-
-    def _eos_token_ids(self) -> list[int]:
-        ids = set()
-        for src in (self.model.generation_config.eos_token_id, getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(src, int):
-                ids.add(src)
-            elif src:
-                ids.update(src)
-        return sorted(ids)
 
     # ---- requests -------------------------------------------------------
     @property
@@ -376,79 +226,88 @@ class LLMEngine:
         """Runs one engine step; returns an output for each request that sampled."""
         if self.spec_decoder is not None:
             self.spec_decoder.propose(self.requests.values())
-        out = self.scheduler.schedule()
+        out = self.scheduler.schedule()  # 1. the decision
         if out.empty:
             return []
+        batch = self._begin_step(out)
+        result = self.runner.execute(batch.runner_input)  # 2. forward and sampling
+        logprob_of, kept = self._take_results(batch, result)
+        # 3. this side's findings per token (text, stop strings, grammars), then the commit: update() is the one
+        # place that decides which sequences end and why
+        finished_by_caller = [self._apply_sample(slot, token, kept.get(slot, ()), logprob_of.get(slot))
+                              for slot, token in zip(batch.slots, result.sampled.token_ids)]
+        updates = self.scheduler.update(result.sampled.token_ids, finished_by_caller)
+        return self._end_step(updates, sum(map(len, kept.values())))
+
+    def _begin_step(self, out) -> StepBatch:
+        """Counts the step, records it in the timelines and the requests' first
+        scheduled times, and lays out its StepBatch."""
         self.num_steps += 1
         now = time.monotonic()
         self.timelines.record_step(self.num_steps, now, out)
-        # read each array once: request_ids is converted to a Python list per access
-        request_ids, seq_indices = out.request_ids, out.seq_indices.tolist()
-        for rid in dict.fromkeys(request_ids):
+        for rid in dict.fromkeys(out.request_ids):
             req = self.requests[rid]
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
-        inp = _core.ModelInput(out)  # the decision laid out for the forward pass
+        batch = build_step_batch(out, self.requests, self.spec_decoder)
+        inp = batch.runner_input.model_input
         # the step's shape, for step-cost models (pagedserve.experiments.step_cost)
         self.last_step_shape = (inp.num_tokens, int(inp.seq_lens.sum()))
-        prompt_rows, pool_rows = self._extra_rows(out, inp, request_ids)
-        drafts = self.spec_decoder.rows(out, inp) if self.spec_decoder is not None else []
-        extra_idx = [i for rows in (prompt_rows, pool_rows) for _, idx, _ in rows for i in idx]
-        extra = torch.tensor(extra_idx, dtype=torch.long) if extra_idx else None
-        draft_rows = torch.tensor([i for d in drafts for i in d.rows], dtype=torch.long) if drafts else None
-        logits, extra_hidden = self.runner.execute(inp, extra, draft_rows)
-        self._record_prompt_logprobs(prompt_rows, extra_hidden)
-        self._record_pooling(pool_rows, extra_hidden, sum(len(idx) for _, idx, _ in prompt_rows))
-        num_sampling = len(inp.logits_indices)
-        logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
+        return batch
 
-        rows, slots = [], []  # slots: (request, choice index) of each sampled token, in order
-        slot_rows = []  # each slot's row of logits
-        for b, k in zip(out.sampling_seq_indices.tolist(), out.num_samples.tolist()):
-            req, first = self.requests[request_ids[b]], seq_indices[b]
-            choices = [req.choices[first + j] for j in range(k)]
-            grammars = [c.grammar for c in choices] if req.params.structured_outputs is not None else None
-            rows.append(SamplingRow(req.params, [c.generator for c in choices], req.prompt_token_ids,
-                                    [c.output_token_ids for c in choices], grammars))
-            slots += [(req.request_id, first + j) for j in range(k)]
-            slot_rows += [len(rows) - 1] * k
-        sampled = self.sampler(logits, rows)
+    def _take_results(self, batch: StepBatch, result: StepOutput
+                      ) -> tuple[dict, dict[tuple[str, int], list[tuple[int, Logprob | None]]]]:
+        """Hands the requests their prompt logprobs and pooled rows, verifies the
+        drafts; returns each sampled token's Logprob by slot (where asked) and
+        the kept drafts by slot (_verify_drafts)."""
+        for req, rows, (lps, tops, ranks) in zip(batch.prompt_requests, batch.runner_input.prompt_logprobs,
+                                                 result.prompt_logprobs):
+            req.prompt_logprobs += [Logprob(t, lp, top, rank)
+                                    for t, lp, top, rank in zip(rows.target_ids, lps, tops, ranks)]
+        for (req, positions), hidden in zip(batch.pooled_requests, result.pooled):
+            req.pooler.add(hidden, positions)
+        sampled = result.sampled
         logprob_of = {}
-        for slot, tok, lp, top in zip(slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
+        for slot, tok, lp, top in zip(batch.slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
             if lp is not None:
                 logprob_of[slot] = Logprob(tok, lp, top or [])
-        kept = self._verify_drafts(drafts, draft_logits, slots, sampled.token_ids, logits, slot_rows, logprob_of)
+        kept = self._verify_drafts(batch.drafts, result.draft_logits, batch.slots, sampled.token_ids, result.logits,
+                                   batch.slot_rows, logprob_of)
         self.timelines.drafts_kept(kept)
+        return logprob_of, kept
 
+    def _end_step(self, updates, num_kept_drafts: int) -> list[RequestOutput | PoolingRequestOutput]:
+        """Applies Scheduler.update's results (cached tokens, the finish reasons
+        it decided) and makes the step's outputs."""
         touched: dict[str, Request] = {}
-        num_dropped = 0  # embedding requests' tokens: sampled to end the prefill, not output
-        for upd in self.scheduler.update(sampled.token_ids):
+        num_generated = num_kept_drafts
+        for upd in updates:
             req = self.requests[upd.request_id]
-            choice = req.choices[upd.index]
             req.num_cached_tokens = upd.num_cached_tokens
-            if req.pooler is not None:  # the prompt is pooled: the request ends here, its token dropped
-                if not upd.finished:
-                    self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
-                choice.finish("stop")
-                num_dropped += 1
-                touched[req.request_id] = req
-                continue
-            grammar_ended = choice.grammar is not None and self._advance_grammar(choice, upd.token_id)
-            if any(choice.append_token(t, lp) for t, lp in kept.get((req.request_id, upd.index), ())):
-                # a stop string ended the output inside the kept drafts: the tokens after it are not output
-                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
-                choice.finish("stop", stop_string=True)
-            elif choice.append_token(upd.token_id, logprob_of.get((req.request_id, upd.index))):
-                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
-                choice.finish("stop", stop_string=True)
-            elif upd.finished:
-                choice.finish(upd.finish_reason_str)
-            elif grammar_ended:  # e.g. ignore_eos: the grammar allows nothing after its end
-                self.scheduler.finish_sequence(req.request_id, upd.index, _core.FinishReason.STOP)
-                choice.finish("stop")
+            if upd.finished:
+                req.choices[upd.index].finish(upd.finish_reason_str)
+            num_generated += req.pooler is None  # an embedding request's token ends its prefill: not output
             touched[req.request_id] = req
-        return self._make_outputs(touched.values(),
-                                  len(sampled.token_ids) - num_dropped + sum(map(len, kept.values())))
+        return self._make_outputs(touched.values(), num_generated)
+
+    def _apply_sample(self, slot: tuple[str, int], token_id: int, kept_drafts, logprob: Logprob | None
+                      ) -> _core.CallerFinish:
+        """Gives choice `slot` (request id, index) its kept drafts and sampled
+        token (grammar, text, stop strings) and returns what this side found for
+        Scheduler.update: STOP for a stop string (the tokens after it are not
+        output), a grammar's end (e.g. with ignore_eos: it allows nothing after)
+        or an embedding request (its prompt is pooled, the token dropped);
+        STOP_IF_FINISHED when a stop string completes in held-back text; else NONE."""
+        req = self.requests[slot[0]]
+        if req.pooler is not None:
+            return _core.CallerFinish.STOP
+        choice = req.choices[slot[1]]
+        grammar_ended = choice.grammar is not None and self._advance_grammar(choice, token_id)
+        if any(choice.append_token(t, lp) for t, lp in kept_drafts) or choice.append_token(token_id, logprob):
+            return _core.CallerFinish.STOP
+        if grammar_ended:
+            return _core.CallerFinish.STOP
+        return _core.CallerFinish.STOP_IF_FINISHED if choice.stop_if_finished() else _core.CallerFinish.NONE
 
     def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]], sampled_tokens: list[int],
                        sampling_logits: torch.Tensor, slot_rows: list[int], logprob_of: dict
@@ -534,60 +393,6 @@ class LLMEngine:
         self.metrics.observe_inter_token(itls)
         self.observe_scheduler()
         return outputs
-
-    def _extra_rows(self, out, inp, request_ids) -> tuple[list[tuple[Request, list[int], list[int]]],
-                                                          list[tuple[Request, list[int], range]]]:
-        """The rows whose final hidden states the step needs besides the
-        sampling rows: for requests that want prompt logprobs and prefill this
-        step, (request, flat-batch indices of the positions to score, the
-        prompt tokens they predict); for embedding requests that prefill this
-        step, (request, flat-batch indices, the prompt positions they hold).
-        Positions already scored or pooled (before a preemption) are skipped."""
-        rows, pool = [], []
-        qsl = None
-        for b, rid in enumerate(request_ids):
-            req = self.requests[rid]
-            if req.prompt_logprobs is None and req.pooler is None:
-                continue
-            if qsl is None:
-                qsl, computed = inp.query_start_loc.tolist(), out.num_computed_tokens.tolist()
-                scheduled = out.num_scheduled_tokens.tolist()
-            if req.pooler is not None:
-                positions = req.pooler.rows_to_pool(computed[b], scheduled[b])
-                if positions:
-                    pool.append((req, [qsl[b] + p - computed[b] for p in positions], positions))
-                continue
-            n_prompt = len(req.prompt_token_ids)
-            # position p predicts prompt token p + 1; prompt_logprobs holds 1 + scored positions
-            lo = max(computed[b], len(req.prompt_logprobs) - 1)
-            hi = min(computed[b] + scheduled[b], n_prompt - 1)
-            if hi > lo:
-                rows.append((req, [qsl[b] + p - computed[b] for p in range(lo, hi)],
-                             req.prompt_token_ids[lo + 1:hi + 1]))
-        return rows, pool
-
-    @staticmethod
-    def _record_pooling(rows, extra_hidden: torch.Tensor | None, start: int) -> None:
-        """Hands each embedding request its rows' hidden states (from extra_hidden
-        [E, hidden], after the `start` rows of prompt logprobs)."""
-        for req, idx, positions in rows:
-            req.pooler.add(extra_hidden[start:start + len(idx)], positions)
-            start += len(idx)
-
-    def _record_prompt_logprobs(self, rows, extra_hidden: torch.Tensor | None) -> None:
-        """Scores the rows' prompt positions from their hidden states [E, hidden],
-        _PROMPT_LOGPROBS_SLICE positions at a time (bounded memory: a 2048-token
-        chunk's full logits would be 2048 x vocab floats, 400 MB for SmolLM2)."""
-        start = 0
-        for req, idx, targets in rows:
-            for lo in range(0, len(idx), _PROMPT_LOGPROBS_SLICE):
-                hi = min(lo + _PROMPT_LOGPROBS_SLICE, len(idx))
-                logits = self.runner.compute_logits(extra_hidden[start + lo:start + hi])
-                lps, tops, ranks = compute_prompt_logprobs(logits, torch.tensor(targets[lo:hi], dtype=torch.long),
-                                                           req.params.prompt_logprobs)
-                req.prompt_logprobs += [Logprob(t, lp, top, rank)
-                                        for t, lp, top, rank in zip(targets[lo:hi], lps, tops, ranks)]
-            start += len(idx)
 
     def reasoning_ended_in_prompt(self, prompt_token_ids: list[int]) -> bool:
         """With a reasoning parser: whether the prompt's last _PROMPT_TAIL_TOKENS

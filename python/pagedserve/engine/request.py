@@ -48,15 +48,23 @@ class Choice:
             return False
         return self.stop.append(self.detokenizer.step(token_id), check=len(self.output_token_ids) >= self.min_tokens)
 
-    def finish(self, reason: str, stop_string: bool = False) -> None:
-        """Marks the choice finished ("stop", "length" or "abort"). Unless a stop
-        string ended it, the detokenizer's held-back text is flushed first; if that
-        text completes a stop string, the text is cut there and the reason is "stop"."""
+    def stop_if_finished(self) -> bool:
+        """Whether a stop string completes in the text the detokenizer still
+        holds back (flushed only when the choice ends): the scheduler's update()
+        then ends the choice with "stop", not "length", if it ends at this token
+        (CallerFinish.STOP_IF_FINISHED)."""
+        d = self.detokenizer
+        return d is not None and bool(self.stop.stop) and d.holds_text() and self.stop.would_stop(d.pending())
+
+    def finish(self, reason: str) -> None:
+        """Marks the choice finished with the reason the scheduler's update()
+        decided ("stop" or "length"), or "abort". Unless a stop string already
+        cut the text, the detokenizer's held-back text is flushed first (and cut
+        at a stop string it completes: stop_if_finished)."""
         if self.finish_reason is not None:
             return
-        if self.detokenizer is not None and not stop_string:
-            if self.stop.append(self.detokenizer.flush()) and reason == "length":
-                reason = "stop"
+        if self.detokenizer is not None and self.stop.matched is None:
+            self.stop.append(self.detokenizer.flush())
         self.finish_reason = reason
 
     @property

@@ -8,7 +8,8 @@ then, in call order, "add_request", "abort", "finish_sequence",
 "add_draft_tokens", "accept_draft_tokens", "finish_request", "schedule"
 (the SchedulerOutput: `decision`, with the step number, as the engine and the
 timelines count steps, which an empty decision does not advance, and the time) and
-"update" (the sampled token ids, and the step's wall time since its
+"update" (the sampled token ids, what the engine found for each — `finished_by_caller`, CallerFinish
+names — and the step's wall time since its
 schedule() in `step_time_s`). The scheduler is deterministic given these calls
 (no clock, no randomness), so a replay that differs is a change in the
 scheduler or its configuration.
@@ -121,9 +122,9 @@ class TracingScheduler:
         self._write({"op": "schedule", "step": self._step, "time": time.time(), "decision": decision_of(out)})
         return out
 
-    def update(self, sampled_token_ids):
+    def update(self, sampled_token_ids, finished_by_caller=()):
         elapsed = None if self._scheduled_at is None else time.monotonic() - self._scheduled_at
         record = {"op": "update", "step": self._step, "sampled_token_ids": list(sampled_token_ids),
-                  "step_time_s": elapsed}
-        return self._call(record, self._scheduler.update, sampled_token_ids)
+                  "finished_by_caller": [f.name for f in finished_by_caller], "step_time_s": elapsed}
+        return self._call(record, self._scheduler.update, sampled_token_ids, list(finished_by_caller))
 

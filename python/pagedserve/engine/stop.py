@@ -36,13 +36,21 @@ class StopStringMatcher:
         self.text += delta
         if not self.stop or not check:
             return False
-        hits = [(i, k) for k, i in enumerate(self.text.find(s, start) for s in self.stop) if i >= 0]
+        hits = self._hits(self.text, start)
         if hits:
             i, k = min(hits)
             self.matched = self.stop[k]
             self.text = self.text[: i + (len(self.matched) if self.include_stop_str else 0)]
             return True
         return False
+
+    def would_stop(self, delta: str) -> bool:
+        """Whether append(delta) would find a stop string; changes nothing."""
+        return bool(self.stop) and bool(self._hits(self.text + delta, max(0, len(self.text) - self.max_len + 1)))
+
+    def _hits(self, text: str, start: int) -> list[tuple[int, int]]:
+        """(position, index in self.stop) of each stop string found in text at or after start."""
+        return [(i, k) for k, i in enumerate(text.find(s, start) for s in self.stop) if i >= 0]
 
     def releasable(self) -> int:
         """Length of the prefix of self.text that can be shown: everything but the

@@ -10,7 +10,7 @@ KV layout, per layer one tensor [2, num_blocks, Hkv, block_size * D]:
 The kernels read K/V straight from the blocks with an online softmax, thread
 over (sequence, KV head, query chunk) and split long decodes along the KV
 length (csrc/backends/cpu/attention_cpu.h). The per-step plan
-(``_core.cpu.AttentionPlan``) validates the metadata, partitions the work and
+(``cpu_core.AttentionPlan``) validates the metadata, partitions the work and
 sizes the scratch once per step; each layer only checks its tensors against it.
 The kernels are compiled for several ISAs and the best this CPU runs is chosen
 at start-up (``variants()``; env PAGEDSERVE_CPU_ISA forces a lower one).
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _core
+from . import cpu_core
 from .backend import (AttentionBackend, AttentionFeatures, AttentionMetadata, AttentionSpec, KernelVariant,
                       check_layer_params)
 
@@ -39,16 +39,16 @@ class CpuPlan:
 
     def __init__(self, spec: AttentionSpec, metadata: AttentionMetadata) -> None:
         self.spec, self.metadata = spec, metadata
-        self.plans: dict[int, _core.cpu.AttentionPlan] = {}
+        self.plans: dict[int, cpu_core.AttentionPlan] = {}
         self.for_window(None)
 
-    def for_window(self, sliding_window: int | None) -> _core.cpu.AttentionPlan:
+    def for_window(self, sliding_window: int | None) -> cpu_core.AttentionPlan:
         """The C++ plan for this sliding window (None or 0: none)."""
         key = sliding_window or 0
         plan = self.plans.get(key)
         if plan is None:
             s, md = self.spec, self.metadata
-            plan = self.plans[key] = _core.cpu.AttentionPlan(
+            plan = self.plans[key] = cpu_core.AttentionPlan(
                 md.query_start_loc, md.seq_lens, md.block_tables, s.num_heads, s.num_kv_heads, s.head_dim,
                 s.block_size, s.num_blocks, md.causal, torch.get_num_threads(), key, split_kv=not s.batch_invariant)
         return plan
@@ -69,17 +69,17 @@ class CpuAttentionBackend(AttentionBackend):
     @classmethod
     def variants(cls) -> list[KernelVariant]:
         return [KernelVariant(name, ok, "" if ok else f"this CPU lacks {needs}")
-                for name, ok, needs in _core.cpu.compiled_isas()]
+                for name, ok, needs in cpu_core.compiled_isas()]
 
     @classmethod
     def use_variant(cls, name: str) -> None:
-        _core.cpu.set_kernel_isa(name)
+        cpu_core.set_kernel_isa(name)
 
     @classmethod
     def active_variant(cls) -> str:
         """Raises pagedserve.errors.InvalidArgumentError if PAGEDSERVE_CPU_ISA
         names a variant this build lacks or this CPU cannot execute."""
-        return _core.cpu.kernel_isa()
+        return cpu_core.kernel_isa()
 
     def kv_cache_shape(self) -> tuple[int, ...]:
         s = self.spec
@@ -106,19 +106,19 @@ class CpuAttentionBackend(AttentionBackend):
 
     def allocate_kv_cache(self, num_layers: int) -> torch.Tensor:
         """The zeroed store, advised for transparent huge pages before it is
-        first written (``_core.cpu.advise_huge_pages``): every decode step
+        first written (``cpu_core.advise_huge_pages``): every decode step
         reads blocks spread over the whole store, and with 4 KiB pages their
         TLB misses cost (most in a virtual machine). Where the OS takes no such
         advice it is an ordinary zeroed tensor."""
         store = torch.empty((num_layers, *self.kv_cache_shape()), dtype=self.spec.dtype)
-        _core.cpu.advise_huge_pages(store.data_ptr(), store.numel() * store.element_size())
+        cpu_core.advise_huge_pages(store.data_ptr(), store.numel() * store.element_size())
         return store.zero_()
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if key.dtype != k_cache.dtype:
             key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
-        _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, torch.get_num_threads())
+        cpu_core.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping, torch.get_num_threads())
 
     def paged_attention(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: CpuPlan,
                         scale: float, sliding_window: int | None = None,
@@ -135,4 +135,4 @@ class CpuAttentionBackend(AttentionBackend):
 
 def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:
     """Bytes of scratch one worker thread uses, whatever the sequence lengths."""
-    return _core.cpu.paged_attention_scratch_bytes(num_heads, num_kv_heads, head_dim, block_size)
+    return cpu_core.paged_attention_scratch_bytes(num_heads, num_kv_heads, head_dim, block_size)

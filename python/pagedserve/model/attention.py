@@ -72,15 +72,27 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
         raise RuntimeError("this layer uses attention sinks, which the attention backends do not implement")
     if sliding_window is not None and sliding_window >= ctx.max_model_len:
         sliding_window = None  # can mask nothing: no position is that far from another
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = attend(ctx, module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1),
+                 scale, sliding_window, softcap)
+    return out.unsqueeze(0), None
+
+
+def attend(ctx: ForwardContext, layer_idx: int, query, key, value, scale: float, sliding_window: int | None = None,
+           softcap: float | None = None):
+    """One layer's paged attention, for every forward (the Hugging Face modules'
+    hook above and the lean Llama forward): writes the step's key/value
+    [T, Hkv, D] into layer ``layer_idx``'s blocks at ctx.slot_mapping
+    (reshape_and_cache), then attends query [T, H, D] over each sequence's
+    blocks with the step's plan (paged_attention) -> [T, H, D] in the cache
+    dtype; counts the call and its window in ctx (the start-up check). scale:
+    the softmax scale; sliding_window / softcap: the layer's own (None: none)."""
     ctx.calls += 1
     ctx.windows.add(sliding_window)
-    k_cache, v_cache = ctx.kv_cache.layer(module.layer_idx)
-    ctx.backend.reshape_and_cache(key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache,
-                                  ctx.slot_mapping)
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = ctx.backend.paged_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.plan, scale,
-                                      sliding_window=sliding_window, logit_softcap=softcap)
-    return out.unsqueeze(0), None
+    k_cache, v_cache = ctx.kv_cache.layer(layer_idx)
+    ctx.backend.reshape_and_cache(key, value, k_cache, v_cache, ctx.slot_mapping)
+    return ctx.backend.paged_attention(query, k_cache, v_cache, ctx.plan, scale, sliding_window=sliding_window,
+                                       logit_softcap=softcap)
 
 
 def register() -> str:

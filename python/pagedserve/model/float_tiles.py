@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import _core
+from ..kernels import cpu_core
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
 from .linear_method import LinearMethod, fused_bias
 
@@ -86,7 +86,7 @@ class FloatTilesMethod(LinearMethod):
             self.tied_source = linears[0].weight
         weight = torch.cat([lin.weight.detach() for lin in linears]).contiguous()
         n = weight.shape[0]
-        tiles = _core.cpu.QuantizedWeight(weight.view(torch.uint8), self.qtype, n, k)
+        tiles = cpu_core.QuantizedWeight(weight.view(torch.uint8), self.qtype, n, k)
         layer = GGUFFloatLinear(tiles, fused_bias(linears), None, UNBOUNDED_ROWS)
         self.native += len(linears)
         self.layers.append(layer)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _core
+from ..kernels import cpu_core
 from . import tuner
 from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks, raw_bytes
 from .linear_method import LinearMethod, fused_bias
@@ -75,7 +75,7 @@ class GGUFFloatLinear(torch.nn.Module):
     (the same values in a float32 model, rounded to bfloat16 in a bfloat16 one).
 
     Args:
-        weight: _core.cpu.QuantizedWeight of the blocks, [out_features, in_features].
+        weight: cpu_core.QuantizedWeight of the blocks, [out_features, in_features].
         bias: [out_features] float32, or None.
         dense: a module computing the same layer on dense float32 weights, or
             None once released (GGUFFloatMethod.release_dense): the blocks then
@@ -117,7 +117,7 @@ class GGUFEmbedding(torch.nn.Module):
     output layer the blocks are the output layer's own (one copy for both).
 
     Args:
-        weight: _core.cpu.QuantizedWeight [vocab, hidden].
+        weight: cpu_core.QuantizedWeight [vocab, hidden].
         embed_scale: a float32 scalar tensor, or None.
         dtype: the model's activation dtype (torch.float32 or torch.bfloat16).
     Raises (forward): KernelArgumentError for an id outside the vocabulary.
@@ -175,7 +175,7 @@ def step_kernel_between(num_threads: int, tokens: int = 32, num_kv_heads: int = 
     k_cache = torch.zeros(blocks, num_kv_heads, head_size, block_size)
     v_cache = torch.zeros(blocks, num_kv_heads, block_size, head_size)
     slots = torch.arange(tokens, dtype=torch.int64)
-    return lambda: _core.cpu.reshape_and_cache(key, value, k_cache, v_cache, slots, num_threads)
+    return lambda: cpu_core.reshape_and_cache(key, value, k_cache, v_cache, slots, num_threads)
 
 
 def row_bound(ms: dict, rows) -> int:
@@ -250,7 +250,7 @@ class GGUFFloatMethod(LinearMethod):
         why = self._why_not(linears, names, parts)
         if why is None:
             n, k = sum(lin.out_features for lin in linears), linears[0].in_features
-            weight = _core.cpu.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
+            weight = cpu_core.QuantizedWeight(torch.cat([b for b, _ in parts]), parts[0][1], n, k)
             values = torch.empty((n, k), dtype=torch.float32)
             weight.dequantize(values, torch.get_num_threads())
             model = torch.cat([lin.weight.detach() for lin in linears])
@@ -350,7 +350,7 @@ class GGUFFloatMethod(LinearMethod):
         raw = raw_bytes(entry[0])
         if raw.shape[0] != vocab:
             return None
-        weight = _core.cpu.QuantizedWeight(raw, entry[1], vocab, hidden)
+        weight = cpu_core.QuantizedWeight(raw, entry[1], vocab, hidden)
         values = torch.empty((vocab, hidden), dtype=torch.float32)
         weight.dequantize(values, torch.get_num_threads())
         if not torch.equal(values.to(embed.weight.dtype), embed.weight.detach()):

@@ -10,7 +10,7 @@ runs the same weights as one flat loop over the step's T tokens:
               -> SiLU-and-mul -> down_proj
 
 with RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021) and SiLU-and-mul
-done by the C++ CPU ops of ``_core.cpu`` (the names and the fused-residual
+done by the C++ CPU ops of ``kernels/cpu_core.py`` (the names and the fused-residual
 scheme are vLLM's). Everything else — weights, their GEMM path (the chooser's
 or a quantised one), the attention backend — is what the Hugging Face path
 uses, so in float32 the two differ only in summation order (tests check the
@@ -25,8 +25,8 @@ from typing import Callable
 
 import torch
 
-from .. import _core
-from .attention import ForwardContext
+from ..kernels import cpu_core
+from .attention import ForwardContext, attend
 from .linear import count_shapes
 
 # rope types whose frequencies do not depend on the sequence length (a table per position is exact)
@@ -171,7 +171,7 @@ class LeanLlamaDecoder(NativeStepInfo, torch.nn.Module):
         paged store at ctx.slot_mapping and attends with ctx.plan (counted in
         ctx.calls, as the Hugging Face path's attention hook does). Raises
         KernelArgumentError (a ValueError) on a position past the rotary table."""
-        ops, threads = _core.cpu, torch.get_num_threads()
+        ops, threads = cpu_core, torch.get_num_threads()
         t = input_ids.shape[0]
         if (self.native is not None and t <= self.native_max_rows() and ctx.backend.name == "cpu"
                 and ctx.kv_cache.store.dtype == torch.float32):
@@ -195,12 +195,8 @@ class LeanLlamaDecoder(NativeStepInfo, torch.nn.Module):
             qkv = layer.qkv_proj(h)
             q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
             ops.rotary_embedding(positions, q, k, d, self.cos_sin_cache, True, threads)
-            ctx.calls += 1
-            ctx.windows.add(None)
-            k_cache, v_cache = ctx.kv_cache.layer(i)
-            ctx.backend.reshape_and_cache(k.view(t, self.num_kv_heads, d), v.view(t, self.num_kv_heads, d),
-                                          k_cache, v_cache, ctx.slot_mapping)
-            attn = ctx.backend.paged_attention(q.view(t, self.num_heads, d), k_cache, v_cache, ctx.plan, self.scale)
+            attn = attend(ctx, i, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
+                          v.view(t, self.num_kv_heads, d), self.scale)
             h = layer.o_proj(attn.view(t, hq))
             ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, layer.eps_post, threads)
             gate_up = layer.gate_up_proj(h)
@@ -243,7 +239,7 @@ def native_decoder(lean: LeanLlamaDecoder):
 
 
 def _build_native(lean: LeanLlamaDecoder, embed):
-    native = _core.cpu.NativeDecoder(embed, lean.cos_sin_cache, lean.norm.float().contiguous(),
+    native = cpu_core.NativeDecoder(embed, lean.cos_sin_cache, lean.norm.float().contiguous(),
                                      lean.norm_eps, lean.num_heads, lean.num_kv_heads, lean.head_dim)
     for layer in lean.layers:
         mods = [getattr(layer, attr) for attr in _LINEARS]

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import _core
+from ..kernels import cpu_core
 from .attention import ForwardContext, forward_context
 from .lean_llama import STATIC_ROPE_TYPES, NativeStepInfo
 from .linear_method import fused_bias
@@ -201,7 +201,7 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
             table = table.contiguous()
         activation = fam.activations[_activation_name(self.decoder.config)]
         try:
-            native = _core.cpu.NativeDecoder(
+            native = cpu_core.NativeDecoder(
                 table, [], self._factor(self.decoder.norm), _eps(self.decoder.norm), self.num_heads,
                 self.num_kv_heads, self.head_dim, embed_scale=scale, activation=activation)
             for layer, layer_type in zip(layers, self.layer_types):

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers.pytorch_utils import Conv1D
 
-from .. import _core
+from ..kernels import cpu_core
 from .gguf_format import GGUFBlocks
 from .float_tiles import FloatTilesMethod, why_no_tiles
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
@@ -171,7 +171,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     # back-to-back calls instead of sleeping; with torch's GEMMs in between, polling would take the cores from
     # OpenMP's threads
     ours = quantization != "none" or builder is not None or tiles is not None
-    _core.cpu.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
+    cpu_core.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if ours else 0)
     if builder is not None:
         invariance_cost = False  # batch invariance keeps the blocks though the dense path measured much faster
         if linear_impl == "gguf" or not builder.layers:  # by name: the blocks serve every call; or none to time
@@ -188,7 +188,7 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                 released = _serve_from_blocks(model, lean, builder)
         else:
             impl = choice.impl
-            _core.cpu.set_thread_pool_spin_us(0)
+            cpu_core.set_thread_pool_spin_us(0)
             if lean is not None:  # the blocks serve no call: neither does the native step built on them
                 lean.native, lean.why_not_native = None, "the dense path measured much faster at one row"
         if (lean is None and model_impl != "transformers" and builder.max_rows > 0
@@ -346,4 +346,4 @@ def _own_memory(model: torch.nn.Module) -> None:
 
 
 def _kernel_isa() -> str:
-    return _core.cpu.quant_kernel_isa()
+    return cpu_core.quant_kernel_isa()

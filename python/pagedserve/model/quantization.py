@@ -1,5 +1,5 @@
 """Quantised linear layers (``--quantization q4|int8``): weights kept in GGUF's
-block formats and run by the C++ kernel ``_core.cpu.QuantizedWeight``.
+block formats and run by the C++ kernel ``cpu_core.QuantizedWeight``.
 
 A GGUF checkpoint's layers run on the file's own blocks, unchanged, in
 whichever type the file stores them (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K,
@@ -28,7 +28,7 @@ import logging
 
 import torch
 
-from .. import _core
+from ..kernels import cpu_core
 from .gguf_format import NATIVE_QTYPES, GGUFBlocks, quantize_rows
 from .linear_method import LinearMethod, fused_bias
 
@@ -80,7 +80,7 @@ class QuantLinear(torch.nn.Module):
                  dense_prefill: bool = False, parts: list[tuple[torch.Tensor, str]] | None = None) -> None:
         super().__init__()
         every = [(blocks, qtype)] + list(parts or [])
-        self.weights = [_core.cpu.QuantizedWeight(b.contiguous(), q, b.shape[0], in_features) for b, q in every]
+        self.weights = [cpu_core.QuantizedWeight(b.contiguous(), q, b.shape[0], in_features) for b, q in every]
         self.weight = self.weights[0]
         self.in_features, self.out_features = in_features, sum(b.shape[0] for b, _ in every)
         self.qtype = "+".join(dict.fromkeys(q for _, q in every))

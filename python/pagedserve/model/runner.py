@@ -1,12 +1,13 @@
 """ModelRunner: runs the model once per engine step over the flat batch the
-C++ scheduler decided (laid out by ``_core.ModelInput``), and returns logits
-only for the tokens that sample."""
+C++ scheduler decided (laid out by ``_core.ModelInput``) and owns everything
+that touches logits: the sampling rows' logits and the tokens sampled from them
+(grammar masks, penalties, logprobs), the rows that verify speculative drafts,
+prompt logprobs and the hidden states embedding requests pool."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from types import SimpleNamespace
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -16,25 +17,66 @@ from .attention import ForwardContext, forward_context
 from .features import logits_transform
 from .gguf_linear import GGUFFloatLinear
 from .quantization import QuantLinear
+from .sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
 
+_PROMPT_LOGPROBS_SLICE = 128  # prompt positions scored per lm_head call (memory bound)
+
 
 @dataclass
-class StartupCheck:
-    """What ModelRunner.startup_check saw.
+class PromptLogprobRows:
+    """One request's prompt positions to score this step.
 
     Attributes:
-        attention_calls: attention layers that ran through our hook in one pass.
-        windows: the sliding windows those layers asked for (None: none).
-        max_abs_diff: largest |engine logit - Hugging Face logit| over the prompt.
-        tolerance: the bound it must stay within for this dtype.
+        indices: positions in the step's flat batch whose hidden states predict the targets.
+        target_ids: the prompt tokens they predict (one per index).
+        num_top: the request's prompt_logprobs (top entries per position).
     """
 
-    attention_calls: int
-    windows: set
-    max_abs_diff: float
-    tolerance: float
+    indices: list[int]
+    target_ids: list[int]
+    num_top: int
+
+
+@dataclass
+class StepInput:
+    """What one engine step asks of the runner.
+
+    Attributes:
+        model_input: pagedserve._core.ModelInput (see forward()).
+        sampling_rows: one SamplingRow per sampling sequence, in the scheduler's
+            sampling_seq_indices order (its logits row is that of logits_indices).
+        draft_indices: flat-batch positions whose logits verify speculative drafts.
+        prompt_logprobs: per request that scores prompt positions this step, its rows.
+        pooled: per embedding request that prefills this step, the flat-batch
+            positions whose final hidden states it pools.
+    """
+
+    model_input: object
+    sampling_rows: list[SamplingRow]
+    draft_indices: list[int] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprobRows] = field(default_factory=list)
+    pooled: list[list[int]] = field(default_factory=list)
+
+
+@dataclass
+class StepOutput:
+    """What the runner computed for a StepInput.
+
+    Attributes:
+        sampled: the tokens drawn from the sampling rows (flat: row after row, draw after draw).
+        logits: [S, vocab] float32, the sampling rows' logits (S = len(sampling_rows)).
+        draft_logits: [D, vocab] float32, the draft rows' logits.
+        prompt_logprobs: per PromptLogprobRows, (logprobs [n], top [n], ranks [n]) of its targets.
+        pooled: per entry of StepInput.pooled, the final hidden states [n, hidden] of its positions.
+    """
+
+    sampled: SamplerOutput
+    logits: torch.Tensor
+    draft_logits: torch.Tensor
+    prompt_logprobs: list[tuple[list[float], list[TopLogprobs], list[int]]]
+    pooled: list[torch.Tensor]
 
 
 class ModelRunner:
@@ -47,10 +89,11 @@ class ModelRunner:
         backend: the engine's AttentionBackend instance.
         max_model_len: tokens per sequence at most (for the attention hook's checks).
         lean: the lean decoder that replaces the Hugging Face decoder's forward, or None.
+        sampler: the Sampler of the sampling rows (one with no EOS ids when None).
     """
 
     def __init__(self, model: torch.nn.Module, kv_cache, backend: AttentionBackend, max_model_len: int,
-                 lean=None) -> None:
+                 lean=None, sampler: Sampler | None = None) -> None:
         self.model = model
         # lean_llama.LeanLlamaDecoder or native_step.NativeStepDecoder; None: the Hugging Face decoder
         self.lean = lean
@@ -62,12 +105,45 @@ class ModelRunner:
         self.device = backend.spec.device
         self.max_model_len = max_model_len
         self.last_forward: ForwardContext | None = None  # the last pass's context (layers run, windows)
+        self.sampler = sampler or Sampler()
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def execute(self, inp, extra_logits_indices: torch.Tensor | None = None,
+    def execute(self, step: StepInput) -> StepOutput:
+        """One engine step: the forward pass over every scheduled token, then
+        the sampled tokens (Sampler: grammar masks, penalties, logprobs),
+        the draft rows' logits, prompt logprobs (scored from their hidden states
+        _PROMPT_LOGPROBS_SLICE positions at a time, so a 2048-token chunk's
+        [2048, vocab] logits never exist at once) and the pooled rows' hidden
+        states. Raises what forward() and the Sampler raise."""
+        extra = [i for rows in step.prompt_logprobs for i in rows.indices] + [i for idx in step.pooled for i in idx]
+        logits, hidden = self.forward(step.model_input, torch.tensor(extra, dtype=torch.long) if extra else None,
+                                      torch.tensor(step.draft_indices, dtype=torch.long) if step.draft_indices
+                                      else None)
+        num_sampling = len(step.sampling_rows)
+        logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
+        scored, start = [], 0
+        for rows in step.prompt_logprobs:
+            lps, tops, ranks = [], [], []
+            for lo in range(0, len(rows.indices), _PROMPT_LOGPROBS_SLICE):
+                hi = min(lo + _PROMPT_LOGPROBS_SLICE, len(rows.indices))
+                got = compute_prompt_logprobs(self.compute_logits(hidden[start + lo:start + hi]),
+                                              torch.tensor(rows.target_ids[lo:hi], dtype=torch.long), rows.num_top)
+                lps += got[0]
+                tops += got[1]
+                ranks += got[2]
+            scored.append((lps, tops, ranks))
+            start += len(rows.indices)
+        pooled = []
+        for idx in step.pooled:
+            pooled.append(hidden[start:start + len(idx)])
+            start += len(idx)
+        return StepOutput(self.sampler(logits, step.sampling_rows), logits, draft_logits, scored, pooled)
+
+    @torch.inference_mode()
+    def forward(self, inp, extra_logits_indices: torch.Tensor | None = None,
                 draft_logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over all scheduled tokens of all sequences.
 
@@ -125,8 +201,8 @@ class ModelRunner:
         copy, gets the hidden states widened to float32 (the
         same values: its kernel quantises them to int8 either way) and so
         writes float32 logits: no bfloat16 rounding of the logits, and no
-        [N, vocab] conversion afterwards (measured: 5 of 9 ms per 32-row
-        decode step on a 2-core AVX-512 Xeon)."""
+        [N, vocab] conversion afterwards (its cost: docs/benchmarks.md,
+        "Behind the code")."""
         if hidden.dtype != torch.float32 and (isinstance(self.lm_head, QuantLinear) or (
                 isinstance(self.lm_head, GGUFFloatLinear) and self.lm_head.dense is None)):
             hidden = hidden.float()  # the blocks' kernels widen bfloat16 rows anyway: float32 logits, not rounded
@@ -134,97 +210,3 @@ class ModelRunner:
         if self.logits_transform is not None:
             logits = self.logits_transform(logits)
         return logits.float().cpu()
-
-    @torch.inference_mode()
-    def check_logits(self, ids: torch.Tensor) -> tuple[torch.Tensor, int, set]:
-        """The start-up check's two steps on ``ids`` ([n + 1] int64): a prefill of
-        the first n tokens into blocks 0.. (which no sequence holds yet), then one
-        decode step of the last that reads them back from the paged store.
-        Returns (logits [n + 1, vocab] float32 on the CPU, the attention layers
-        the prefill ran, their sliding windows). Raises RuntimeError on a
-        non-finite logit, and whatever the steps raise."""
-        n, bs = ids.numel() - 1, self.kv_cache.block_size
-        blocks = np.arange((n + 1 + bs - 1) // bs, dtype=np.int32)[None, :]
-
-        def step(start: int, count: int, logits_at: list[int]):
-            return self.execute(SimpleNamespace(
-                input_ids=ids[start:start + count].numpy(), positions=np.arange(start, start + count),
-                slot_mapping=np.arange(start, start + count), logits_indices=np.array(logits_at),
-                query_start_loc=np.array([0, count], dtype=np.int32),
-                seq_lens=np.array([start + count], dtype=np.int32),
-                block_tables=blocks, blocks_to_copy=np.zeros((0, 2), dtype=np.int32)))[0]
-
-        ours = [step(0, n, list(range(n)))]
-        layers, windows = self.last_forward.calls, set(self.last_forward.windows)
-        ours.append(step(n, 1, [0]))
-        got = torch.cat(ours)
-        if not bool(torch.isfinite(got).all()):
-            raise RuntimeError("the start-up check step produced non-finite logits")
-        return got, layers, windows
-
-    @torch.inference_mode()
-    def startup_check(self, ids: torch.Tensor, reference: torch.Tensor, noise: float = 0.0,
-                      quantized: bool = False) -> StartupCheck:
-        """Runs check_prompt's tokens through the engine's path (check_logits:
-        a prefill, then a decode step that reads it back from the paged store)
-        and compares the logits with ``reference`` (hf_reference_logits of the model as loaded,
-        before the engine changed anything). Any kernel or GEMM path that cannot
-        run here fails now, not at the first request. Raises whatever the steps
-        raise.
-
-        Args:
-            ids: [n + 1] int64 token ids.
-            reference: [n + 1, vocab] float32 logits of the Hugging Face forward.
-            noise: the spread of Hugging Face's own attention implementations on
-                this prompt (bfloat16), added to the tolerance.
-            quantized: the linear layers run on quantised weights and int8
-                activations (--quantization): the check then only catches gross
-                errors (a wrong block order, a broken kernel); accuracy is
-                measured by bench/throughput.py --quantization.
-        """
-        got, layers, windows = self.check_logits(ids)
-        # float32 paths differ only in summation order; bfloat16 rounds every product, and its error grows
-        # with depth (seen: 0.24 at 24 layers, 0.34 at 48 on tiny random models whose logits reach ~4), so in
-        # bfloat16 the check catches only gross mismatches; float32 is the precise one
-        depth = max(1.0, (layers / 8) ** 0.5)
-        if quantized:  # 4-bit weights quantised from floats move logits by ~20% on random tiny models
-            rel = 3e-1 * depth
-        elif self.backend.spec.dtype == torch.float32:
-            rel = 1e-3
-        else:
-            rel = 5e-2 * depth
-        tolerance = rel * (1.0 + float(reference.abs().max())) + 2.0 * noise
-        return StartupCheck(layers, windows, float((got - reference).abs().max()), tolerance)
-
-
-def check_prompt(vocab_size: int, block_size: int, max_model_len: int) -> torch.Tensor:
-    """The start-up check's tokens: [n + 1] int64 with n = min(8, block_size - 1,
-    max_model_len - 1), fixed for reproducibility."""
-    n = max(1, min(8, block_size - 1, max_model_len - 1))
-    return (torch.arange(n + 1) * 7919 + 13) % vocab_size
-
-
-@torch.inference_mode()
-def hf_reference_logits(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-    """The Hugging Face forward's logits of ``ids`` ([n, vocab] float32 on the
-    CPU) with eager attention, and how far its sdpa attention lands from them
-    (the rounding noise of this model in its dtype; 0 in float32 or where sdpa
-    is unavailable). The model's attention implementation is restored after."""
-    previous = model.config._attn_implementation
-    device = next(model.parameters()).device
-
-    def forward(impl: str) -> torch.Tensor:
-        model.set_attn_implementation(impl)
-        return model(input_ids=ids[None].to(device), use_cache=False).logits[0].float().cpu()
-
-    try:
-        eager = forward("eager")
-        noise = 0.0
-        if next(model.parameters()).dtype != torch.float32:
-            try:
-                noise = float((forward("sdpa") - eager).abs().max())
-            except (ValueError, RuntimeError, NotImplementedError):  # no sdpa for this architecture
-                noise = 0.0
-    finally:
-        model.set_attn_implementation(previous)
-    return eager, noise

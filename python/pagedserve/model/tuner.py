@@ -208,7 +208,7 @@ def library_versions() -> dict[str, str]:
 def machine() -> dict:
     """What a cached measurement holds for: the CPU and its features, the kernel
     ISA variant, the thread count, and library_versions()."""
-    from .. import _core
+    from ..kernels import cpu_core
     from ..hardware import cpu_capabilities
 
     caps = cpu_capabilities()
@@ -219,7 +219,7 @@ def machine() -> dict:
     except OSError:
         model_name = platform.processor()
     return {"cpu": model_name, "arch": caps.arch, "features": sorted(caps.features),
-            "kernel_isa": _core.cpu.quant_kernel_isa(), "threads": torch.get_num_threads(), **library_versions()}
+            "kernel_isa": cpu_core.quant_kernel_isa(), "threads": torch.get_num_threads(), **library_versions()}
 
 
 @dataclass
