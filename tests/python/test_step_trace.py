@@ -118,6 +118,8 @@ def test_bad_traces_and_options_exit_2_with_file_and_line(trace, tmp_path):
         "blocks.jsonl": lines[0].replace('"num_blocks":10', '"num_blocks":"x"') + "\n",
         "reason.jsonl": lines[0] + '\n{"op":"finish_sequence","request_id":"a","index":0,"reason":"BOGUS"}\n',
         "types.jsonl": lines[0] + '\n{"op":"abort","request_id":[1]}\n',
+        "flags.jsonl": lines[0] + '\n{"op":"update","sampled_token_ids":[],"finished_by_caller":null}\n',
+        "flag.jsonl": lines[0] + '\n{"op":"update","sampled_token_ids":[],"finished_by_caller":["BOGUS"]}\n',
     }
     for name, text in cases.items():
         f = tmp_path / name

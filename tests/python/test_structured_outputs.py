@@ -157,6 +157,31 @@ def test_constrained_and_unconstrained_share_a_batch_under_preemption(smollm2_di
             assert a.outputs[0].finish_reason == "length"
 
 
+def test_a_grammar_that_ends_on_the_last_allowed_token_ends_with_stop(smollm2_dir):
+    """Scheduler.update decides every finish: a grammar that accepts its end at
+    max_tokens (ignore_eos: nothing but the grammar ends the output) gives
+    "stop", as a stop string found at the last token does; one more token of
+    room gives the same output and reason; one less cuts it with "length"."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.sampling_params import StructuredOutputsParams
+
+    llm = LLM(model=smollm2_dir, dtype="float32", max_model_len=256)
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    prompt = "<|im_start|>user\nIs Paris in France?<|im_end|>\n<|im_start|>assistant\n"
+
+    def run(max_tokens):
+        [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                                      structured_outputs=choice), use_tqdm=False)
+        return out.outputs[0]
+
+    roomy = run(16)
+    n = len(roomy.token_ids)
+    assert roomy.finish_reason == "stop" and roomy.text in ("yes", "no")
+    exact, cut = run(n), run(n - 1)
+    assert (exact.token_ids, exact.text, exact.finish_reason) == (roomy.token_ids, roomy.text, "stop")
+    assert cut.finish_reason == "length" and cut.token_ids == roomy.token_ids[:n - 1]
+
+
 def test_engine_refuses_an_invalid_constraint_and_keeps_serving(smollm2_dir):
     from pagedserve import SamplingParams
     from pagedserve.engine.llm_engine import LLMEngine

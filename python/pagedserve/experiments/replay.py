@@ -143,9 +143,10 @@ def _replay_one(sched, record: dict, result: ReplayResult):
             result.step_shapes.append((sum(got["num_scheduled_tokens"]), seq_lens))
         return None
     if op == "update":
-        flags = [getattr(_core.CallerFinish, str(f), None) for f in record.get("finished_by_caller", [])]
+        raw = record.get("finished_by_caller", [])  # absent in traces written before it existed
+        flags = [getattr(_core.CallerFinish, str(f), None) for f in raw] if isinstance(raw, list) else [None]
         if not all(isinstance(f, _core.CallerFinish) for f in flags):
-            raise TraceError(f"unknown finished_by_caller in {record.get('finished_by_caller')!r}")
+            raise TraceError(f"finished_by_caller must be a list of CallerFinish names, got {raw!r}")
         _, bad = _call(record, sched.update, record["sampled_token_ids"], flags)
         if isinstance(record.get("step_time_s"), (int, float)):
             result.recorded_step_times.append(record["step_time_s"])
