@@ -289,22 +289,8 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // path, so a row's result does not depend on the tiling, the work split or
 // the thread count.
 
-// Bytes of one repacked tile of a Q (quant_isa.h).
-template <TileFormat Q>
-constexpr int64_t tile_bytes_of() {
-  return Q == TileFormat::kQ4_1 ? kQ41TileBytes : Q == TileFormat::kQ8_0 ? kQ80TileBytes
-         : Q == TileFormat::kI8F ? kI8FTileBytes : Q == TileFormat::kU4F ? kU4FTileBytes
-         : Q == TileFormat::kF32 ? kF32TileBytes : Q == TileFormat::kF16 || Q == TileFormat::kBF16 ? kF16TileBytes
-         : k5FTileBytes;
-}
-
-// The dense formats (f32, f16, bf16: quant_isa.h): element e of row j at
-// index 16 e + j of the tile, no scales; the expansion is a load (and, for
-// the 16-bit ones, an exact widening).
-template <TileFormat Q>
-constexpr bool dense_tiles() {
-  return Q == TileFormat::kF32 || Q == TileFormat::kF16 || Q == TileFormat::kBF16;
-}
+// The dense formats (quant_isa.h: dense_format): the expansion is a load (and,
+// for the 16-bit ones, an exact widening).
 
 // The 5-bit format (u5f: quant_isa.h): float d[16] at 0, m[16] at 64,
 // the nibbles at k5FNibbles in q4_1's order, the high bits (uint32 per row) at k5FHigh.
@@ -380,7 +366,7 @@ inline __m256i high_bits_to_bytes(__m256i v) {
 // Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7.
 template <TileFormat Q, int R>
 void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t nb = a.k / kQBlock, m = a.m;
   const uint8_t* t = a.w + g * nb * kTile;
   const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block; row i at + 32 i
@@ -683,7 +669,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
 // group's first pass has brought its tiles in, the other passes find them in L1).
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   // cache lines per tile: 320 bytes from a 64-byte boundary (Q4_1); 544 bytes
   // from offset 0 or 32 (Q8_0): 9 lines at pf + 64 j either way
   constexpr int kLines = (kTile + 63) / 64;
@@ -735,7 +721,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 // waiting on L3 / memory).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
@@ -781,7 +767,7 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // rows: d, m the tile's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, __m512 d, __m512 m) {
-  if constexpr (dense_tiles<Q>()) {
+  if constexpr (dense_format(Q)) {
     (void)d;
     (void)m;
     if constexpr (Q == TileFormat::kF32) return _mm512_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * e);
@@ -824,7 +810,7 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
 // scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
-  if constexpr (dense_tiles<Q>()) {  // no scales
+  if constexpr (dense_format(Q)) {  // no scales
     (void)t;
     (void)eh;
     *d = *m = _mm512_setzero_ps();
@@ -861,7 +847,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
 template <TileFormat Q, int G>
 inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
                                                           int64_t b) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock;
   for (int gi = 0; gi < G; ++gi) {
@@ -875,7 +861,7 @@ inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs
 // expanding in registers; prefetches the next G groups' tiles.
 template <TileFormat Q, int G, int R>
 void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * gstride;
   const float* xr[R];  // the tile's rows; x[t0 + i, 32 b + e] at xr[i][e] in block b's iteration
@@ -911,7 +897,7 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
 // element k, for the blocks [b0, b1).
 template <TileFormat Q, int G>
 void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, float* ws) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * gstride + b0 * kTile;
   for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
@@ -1090,7 +1076,7 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
 // AVX-512 pass.
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, m = a.m;
   const uint8_t* t = a.w + g * nb * kTile;
@@ -1172,7 +1158,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
 // The first pass over a group prefetches the next one (as in the AVX-512 gemm).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
@@ -1212,7 +1198,7 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
 // of its group; d, m that half's scales (Q8_0: d * 2^-24).
 template <TileFormat Q>
 inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, int e, __m256 d, __m256 m) {
-  if constexpr (dense_tiles<Q>()) {
+  if constexpr (dense_format(Q)) {
     (void)d;
     (void)m;
     if constexpr (Q == TileFormat::kF32) return _mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * e + 8 * h);
@@ -1254,7 +1240,7 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
 // block (i8f's scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
-  if constexpr (dense_tiles<Q>()) {  // no scales
+  if constexpr (dense_format(Q)) {  // no scales
     (void)t;
     (void)h;
     (void)eh;
@@ -1298,7 +1284,7 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m2
 // the weights expanded in registers (R <= kF32DirectRows, see f32_pass).
 template <TileFormat Q, int R>
 void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * nb * kTile;
@@ -1342,7 +1328,7 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
 // f32_pass_direct's, k = 0 .. K-1 in order, so the results are the same bits.
 template <TileFormat Q>
 void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows, group_bytes = nb * kTile;
   const uint8_t* t[2] = {a.w + g * group_bytes, a.w + (g + 1) * group_bytes};
@@ -1435,7 +1421,7 @@ void f32_pass(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i0, cons
 // ws[16 k + 8 h + j] = the weight of row 16 g + 8 h + j, element k.
 template <TileFormat Q>
 void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
-  constexpr int64_t kTile = tile_bytes_of<Q>();
+  constexpr int64_t kTile = tile_bytes(Q);
   const int64_t nb = a.k / kQBlock;
   const uint8_t* t = a.w + g * nb * kTile;
   for (int64_t b = 0; b < nb; ++b, t += kTile, ws += kQBlock * 16) {

@@ -50,25 +50,6 @@ uint16_t load_u16(const uint8_t* p) {
   return v;
 }
 
-int tile_bytes(TileFormat f) {
-  switch (f) {
-    case TileFormat::kQ4_1: return kQ41TileBytes;
-    case TileFormat::kQ8_0: return kQ80TileBytes;
-    case TileFormat::kU5F: return k5FTileBytes;
-    case TileFormat::kU4F: return kU4FTileBytes;
-    case TileFormat::kI8F: return kI8FTileBytes;
-    case TileFormat::kF32: return kF32TileBytes;
-    case TileFormat::kF16:
-    case TileFormat::kBF16: return kF16TileBytes;
-  }
-  return kI8FTileBytes;
-}
-
-// The dense tile formats (f32, f16, bf16): unquantised weights, element-major tiles.
-bool dense_format(TileFormat f) {
-  return f == TileFormat::kF32 || f == TileFormat::kF16 || f == TileFormat::kBF16;
-}
-
 const QuantIsaVariant* find_quant(const std::string& name) {
   for (const QuantIsaVariant& v : compiled_quant_isas()) {
     if (name == v.name) return &v;

@@ -144,10 +144,10 @@ def _replay_one(sched, record: dict, result: ReplayResult):
         return None
     if op == "update":
         raw = record.get("finished_by_caller", [])  # absent in traces written before it existed
-        flags = [getattr(_core.CallerFinish, str(f), None) for f in raw] if isinstance(raw, list) else [None]
-        if not all(isinstance(f, _core.CallerFinish) for f in flags):
+        names = _core.CallerFinish.__members__
+        if not isinstance(raw, list) or not all(isinstance(f, str) and f in names for f in raw):
             raise TraceError(f"finished_by_caller must be a list of CallerFinish names, got {raw!r}")
-        _, bad = _call(record, sched.update, record["sampled_token_ids"], flags)
+        _, bad = _call(record, sched.update, record["sampled_token_ids"], [names[f] for f in raw])
         if isinstance(record.get("step_time_s"), (int, float)):
             result.recorded_step_times.append(record["step_time_s"])
         return bad

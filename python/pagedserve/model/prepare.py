@@ -191,14 +191,12 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             cpu_core.set_thread_pool_spin_us(0)
             if lean is not None:  # the blocks serve no call: neither does the native step built on them
                 lean.native, lean.why_not_native = None, "the dense path measured much faster at one row"
-        if (lean is None and model_impl != "transformers" and builder.max_rows > 0
-                and why_no_native_step(config, device) is None):
-            # the Hugging Face modules, now on the blocks, under a native step (they serve what it does not)
-            lean = NativeStepDecoder(model, max_model_len)
     if builder is None and tiles is not None and tiles.layers:
         released = _serve_from_tiles(model, lean, tiles)
-        if lean is None and model_impl != "transformers" and why_no_native_step(config, device) is None:
-            lean = NativeStepDecoder(model, max_model_len)  # the Hugging Face modules, now on the tiles
+    on_our_gemm = builder.max_rows > 0 if builder is not None else tiles is not None and bool(tiles.layers)
+    if lean is None and on_our_gemm and model_impl != "transformers" and why_no_native_step(config, device) is None:
+        # the Hugging Face modules, now on the blocks or the tiles, under a native step (they serve what it does not)
+        lean = NativeStepDecoder(model, max_model_len)
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
