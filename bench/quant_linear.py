@@ -54,7 +54,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     ms = [int(v) for v in args.m.split(",")]
     rng = np.random.default_rng(0)
-    print(f"threads={args.threads}  quant kernel={cpu.quant_kernel_isa()}  torch {torch.__version__}  "
+    print(f"threads={args.threads}  kernel variant={cpu.kernel_isa()} (GEMM {cpu.kernel_tables()['gemm']})  torch {torch.__version__}  "
           f"ms per call (median of {args.rounds} rounds)")
     header = (f"{'K->N':>11} {'M':>4} {'q4_1':>9} {'q8_0':>9} {'f32':>9} {'bf16':>9} "
               f"{'f32/q4_1':>9} {'bf16/q4_1':>9}")

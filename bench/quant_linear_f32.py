@@ -51,7 +51,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     ms = [int(v) for v in args.m.split(",")]
-    print(f"threads={args.threads}  spin_us={spin}  quant kernel={cpu.quant_kernel_isa()}  torch {torch.__version__}  "
+    print(f"threads={args.threads}  spin_us={spin}  kernel variant={cpu.kernel_isa()} (GEMM {cpu.kernel_tables()['gemm']})  torch {torch.__version__}  "
           f"ms per call (best of {args.rounds} rounds)")
     print(f"{'shape':>8} {'K->N':>11} {'M':>4} {'f32 ms':>8} {'GF/s':>6} {'torch ms':>9} {'GF/s':>6} {'torch/f32':>9}")
     totals = {m: [0.0, 0.0, 0.0] for m in ms}  # ours ms, torch ms, flops

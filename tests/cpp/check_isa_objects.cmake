@@ -2,7 +2,7 @@
 # Fails if any kernel object defines a weak (COMDAT) symbol: see CMakeLists.txt.
 # One is allowed: DW.ref.__gxx_personality_v0, the data word through which an
 # object's unwind tables name libstdc++'s personality routine (the sanitizer
-# build's cleanups emit it in kernels.cc). It holds an address, the same in
+# build's cleanups emit it in attention/kernels.cc). It holds an address, the same in
 # every object, and no code compiled for any ISA.
 if(NOT NM)
   message(STATUS "no nm: skipped")

@@ -1,6 +1,6 @@
 // The GGUF block types beyond Q4_1 / Q8_0 (Q4_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K,
 // and the unquantised F32 / F16 / BF16:
-// csrc/backends/cpu/gguf_types.h): hand-built blocks de-quantise to the values
+// csrc/backends/cpu/gemm/gguf_types.h): hand-built blocks de-quantise to the values
 // ggml's formats define (checked here element by element); on random blocks
 // every kernel variant this CPU runs gives, through linear_f32, exactly the
 // de-quantised weights for one-hot rows, a row's result is the same bits in
@@ -19,7 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "backends/cpu/quant_linear.h"
+#include "backends/cpu/gemm/quant_linear.h"
+#include "backends/cpu/runtime/isa_registry.h"
 #include "contiguous_arg.h"
 #include "core/errors.h"
 
@@ -84,8 +85,8 @@ std::vector<uint8_t> random_blocks(QType q, int64_t n, int64_t k, std::mt19937& 
 }
 
 struct ActiveVariant {  // restores the active quantized variant
-  std::string saved = active_quant_isa().name;
-  ~ActiveVariant() { set_active_quant_isa(saved); }
+  std::string saved = active_isa().name;
+  ~ActiveVariant() { set_active_isa(saved); }
 };
 
 std::vector<float> dequantized(const QuantizedWeight& w) {
@@ -313,7 +314,7 @@ void expect_slices_are_the_batchs_rows(const Run& run, const std::vector<float>&
 class GGUFTypesVariant : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    for (const IsaVariant& v : compiled_isas()) {
       if (GetParam() == v.name) {
         if (!v.supported()) GTEST_SKIP() << "this CPU cannot run " << GetParam() << ": it needs " << v.requires_;
         return;
@@ -327,7 +328,7 @@ class GGUFTypesVariant : public ::testing::TestWithParam<std::string> {
 // (several row tiles: the scratch path) and one row at a time (in registers).
 TEST_P(GGUFTypesVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
   ActiveVariant guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(17);
   for (QType q : kTypes) {
     const int64_t n = 40, k = 256;
@@ -356,7 +357,7 @@ TEST_P(GGUFTypesVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
 // row's bits the same alone, in any slice of the batch and on 1 or 2 threads.
 TEST_P(GGUFTypesVariant, LinearF32MatchesADoubleReferenceAndIsBatchInvariant) {
   ActiveVariant guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(23);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (QType q : kTypes) {
@@ -420,9 +421,9 @@ TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
       w.linear(arg(xs, {rows, k}, DType::kFloat32, "x"), arg(o, {rows, n}, DType::kFloat32, "out"), &b, threads);
       return o;
     };
-    set_active_quant_isa("scalar");
+    set_active_isa(compiled_isas().front().name)  /* the lowest: the scalar GEMM */;
     const std::vector<float> scalar = run(0, m, 1);
-    set_active_quant_isa(GetParam());
+    set_active_isa(GetParam());
     const std::vector<float> got = run(0, m, 2);
     std::vector<float> xr = x;  // x as the kernel sees it: xd * xq
     for (int64_t i = 0; i < m; ++i) {
@@ -463,7 +464,7 @@ TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
 // any row count and thread count; the columns beyond the parts are untouched.
 TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
   ActiveVariant guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(31);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int64_t k = 512;
@@ -488,7 +489,7 @@ TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
     for (int threads : {1, 2}) {
       std::vector<float> out(m * ldo, 123.f);
       QuantizedWeight::linear_f32_parts(parts, x.data(), m, out.data(), ldo, bias.data(), threads,
-                                        active_quant_isa().table());
+                                        active_isa().gemm());
       int64_t col = 0;
       for (int i = 0; i < 5; ++i) {
         std::vector<float> own(m * rows[i]), b(bias.begin() + col, bias.begin() + col + rows[i]);
@@ -508,7 +509,7 @@ TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, GGUFTypesVariant, ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
+INSTANTIATE_TEST_SUITE_P(Variants, GGUFTypesVariant, ::testing::Values("baseline", "neon", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

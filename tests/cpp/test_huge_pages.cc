@@ -1,4 +1,4 @@
-// The huge-page arena (csrc/backends/cpu/huge_pages.h): what it hands out is
+// The huge-page arena (csrc/backends/cpu/runtime/huge_pages.h): what it hands out is
 // aligned, disjoint and writable whatever the sizes and the order of frees;
 // chunks are reused or released as their allocations go.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "backends/cpu/huge_pages.h"
+#include "backends/cpu/runtime/huge_pages.h"
 
 namespace pagedserve {
 namespace cpu {

@@ -1,4 +1,4 @@
-// QuantizedWeight (csrc/backends/cpu/quant_linear.h): every quantized-kernel
+// QuantizedWeight (csrc/backends/cpu/gemm/quant_linear.h): every quantized-kernel
 // variant this CPU runs against (a) a scalar reference of the same integer
 // math written here from the raw GGUF bytes (tight tolerance) and (b) the
 // float32 matmul of the dequantised weights (a bound from the int8 activation
@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "backends/cpu/cpu_features.h"
-#include "backends/cpu/cpu_isa.h"
-#include "backends/cpu/quant_linear.h"
+#include "backends/cpu/runtime/cpu_features.h"
+#include "backends/cpu/runtime/isa_registry.h"
+#include "backends/cpu/gemm/quant_linear.h"
 #include "core/errors.h"
 #include "contiguous_arg.h"
 
@@ -200,12 +200,12 @@ RefOut reference(const std::vector<uint8_t>& raw, QType q, int64_t n, int64_t k,
 
 // Restores the active quantized variant after a test that switches it.
 struct QuantIsaGuard {
-  std::string saved = active_quant_isa().name;
-  ~QuantIsaGuard() { set_active_quant_isa(saved); }
+  std::string saved = active_isa().name;
+  ~QuantIsaGuard() { set_active_isa(saved); }
 };
 
-const QuantIsaVariant* find_variant(const std::string& name) {
-  for (const QuantIsaVariant& v : compiled_quant_isas()) {
+const IsaVariant* find_variant(const std::string& name) {
+  for (const IsaVariant& v : compiled_isas()) {
     if (name == v.name) return &v;
   }
   return nullptr;
@@ -214,7 +214,7 @@ const QuantIsaVariant* find_variant(const std::string& name) {
 class QuantLinearVariant : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
-    const QuantIsaVariant* v = find_variant(GetParam());
+    const IsaVariant* v = find_variant(GetParam());
     if (v == nullptr) GTEST_SKIP() << "variant " << GetParam() << " is not compiled into this build";
     if (!v->supported()) GTEST_SKIP() << "this CPU cannot run " << GetParam() << ": it needs " << v->requires_;
     std::cout << "[ isa ] quantized variant " << GetParam() << " runs\n";
@@ -282,7 +282,7 @@ void check_case(QType q, int64_t n, int64_t k, int64_t m, bool with_bias, bool b
 
 TEST_P(QuantLinearVariant, MatchesTheIntegerAndFloatReferences) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   uint32_t seed = 1;
   const int64_t shapes[][2] = {{13, 32}, {40, 96}, {77, 576}};
   for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
@@ -299,7 +299,7 @@ TEST_P(QuantLinearVariant, MatchesTheIntegerAndFloatReferences) {
 
 TEST_P(QuantLinearVariant, ExtremeBlocksZeroRowsAndBfloat16) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
     check_case(q, 33, 128, 33, true, false, 2, 11, true, 0.3);
     check_case(q, 33, 128, 7, false, true, 1, 12, true, 0.3);
@@ -309,7 +309,7 @@ TEST_P(QuantLinearVariant, ExtremeBlocksZeroRowsAndBfloat16) {
 
 TEST_P(QuantLinearVariant, AZeroRowGivesTheBiasExactly) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
     std::mt19937 rng(3);
     const int64_t n = 21, k = 64, m = 3;
@@ -335,9 +335,9 @@ TEST_P(QuantLinearVariant, GivesTheScalarVariantsResultClosely) {
     std::vector<float> x(m * k), a(m * n), b(m * n);
     std::normal_distribution<float> nd(0.f, 1.f);
     for (auto& v : x) v = nd(rng);
-    set_active_quant_isa("scalar");
+    set_active_isa(compiled_isas().front().name)  /* the lowest: the scalar GEMM */;
     w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(a, {m, n}, DType::kFloat32, "out"), nullptr, 2);
-    set_active_quant_isa(GetParam());
+    set_active_isa(GetParam());
     w.linear(arg(x, {m, k}, DType::kFloat32, "x"), arg(b, {m, n}, DType::kFloat32, "out"), nullptr, 2);
     double num = 0, den = 0;
     for (int64_t i = 0; i < m * n; ++i) {
@@ -354,7 +354,7 @@ TEST_P(QuantLinearVariant, GivesTheScalarVariantsResultClosely) {
 // in other sub-batches.
 TEST_P(QuantLinearVariant, ARowsResultDoesNotDependOnItsBatchOrThreads) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(21);
   const int64_t n = 83, k = 160, m = 29;  // N: 5 full row groups + 3 columns; M: passes of 8, 8, 8 and 5
   std::normal_distribution<float> nd(0.f, 1.f);
@@ -405,7 +405,7 @@ TEST_P(QuantLinearVariant, ARowsResultDoesNotDependOnItsBatchOrThreads) {
 // 16 or 32, and threads 1 and 2 bit-identical.
 TEST_P(QuantLinearVariant, LinearF32MatchesTheDequantisedWeightsInDouble) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(31);
   std::normal_distribution<float> nd(0.f, 1.f);
   // N = 960 at K = 576 (60 row groups, several K ranges, the pool's split) at
@@ -481,7 +481,7 @@ TEST_P(QuantLinearVariant, LinearF32MatchesTheDequantisedWeightsInDouble) {
 // groups (a pair and a lone last group) and a partial last group.
 TEST_P(QuantLinearVariant, LinearF32ARowsResultDoesNotDependOnItsBatchOrThreads) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(41);
   std::normal_distribution<float> nd(0.f, 1.f);
   const int64_t k = 96, m = 27;
@@ -521,7 +521,7 @@ TEST_P(QuantLinearVariant, LinearF32ARowsResultDoesNotDependOnItsBatchOrThreads)
 // W^T) gives the dequantised weight bit for bit (plus the bias: one float add).
 TEST_P(QuantLinearVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
   QuantIsaGuard guard;
-  set_active_quant_isa(GetParam());
+  set_active_isa(GetParam());
   std::mt19937 rng(37);
   for (QType q : {QType::kQ4_1, QType::kQ8_0}) {
     for (bool extreme : {false, true}) {
@@ -556,7 +556,7 @@ TEST_P(QuantLinearVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,
-                         ::testing::Values("scalar", "avx2", "avx_vnni", "avx512_vnni"),
+                         ::testing::Values("baseline", "neon", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 TEST(QuantLinear, DequantizeIsBitExact) {
@@ -666,20 +666,15 @@ TEST(QuantLinear, BadArgumentsRaiseKernelArgumentError) {
                            1));
 }
 
-TEST(QuantIsa, TheBestSupportedVariantWithinTheAttentionCapIsActive) {
-  const std::string attention = active_isa().name;
-  const int cap = attention == "avx512" || attention == "native" ? 3 : attention == "avx2" ? 2 : 0;
-  const auto rank = [](const std::string& s) {
-    return s == "avx512_vnni" ? 3 : s == "avx_vnni" ? 2 : s == "avx2" ? 1 : 0;
-  };
+TEST(QuantIsa, TheActiveVariantsGemmIsTheBestThisCpuRuns) {
   std::string best;
-  for (const QuantIsaVariant& v : compiled_quant_isas()) {
-    if (v.supported() && rank(v.name) <= cap) best = v.name;
+  for (const IsaVariant& v : compiled_isas()) {
+    if (v.supported()) best = v.gemm().name;  // lowest first
   }
-  const std::string active = active_quant_isa().name;
-  EXPECT_EQ(active, best);
+  const std::string active = active_isa().gemm().name;
+  if (std::getenv("PAGEDSERVE_CPU_ISA") == nullptr) EXPECT_EQ(active, best);
   if (const char* expect = std::getenv("PAGEDSERVE_EXPECT_QUANT_ISA")) EXPECT_EQ(active, expect);
-  std::cout << "[ isa ] active quantized-linear variant: " << active << " (attention variant " << attention
+  std::cout << "[ isa ] active GEMM kernels: " << active << " (variant " << active_isa().name
             << ", avx512_vnni=" << cpu_features().avx512_vnni << ", avx_vnni=" << cpu_features().avx_vnni << ")\n";
 }
 
@@ -722,9 +717,9 @@ TEST(QuantIsa, EveryVariantQuantisesActivationsBitIdentically) {
   for (bool bf16 : {false, true}) {
     const Out want = quantise(ref, bf16);
     EXPECT_EQ(std::count(want.xq.begin(), want.xq.end(), -128), 0);  // every element written (quants: [-127, 127])
-    for (const QuantIsaVariant& v : compiled_quant_isas()) {
+    for (const IsaVariant& v : compiled_isas()) {
       if (!v.supported()) continue;
-      const Out got = quantise(v.table(), bf16);
+      const Out got = quantise(v.gemm(), bf16);
       EXPECT_EQ(got.xq, want.xq) << v.name << " bf16=" << bf16;
       EXPECT_EQ(got.xsum128, want.xsum128) << v.name << " bf16=" << bf16;
       EXPECT_EQ(std::memcmp(got.xd.data(), want.xd.data(), want.xd.size() * 4), 0) << v.name << " bf16=" << bf16;
@@ -735,9 +730,9 @@ TEST(QuantIsa, EveryVariantQuantisesActivationsBitIdentically) {
 
 TEST(QuantIsa, AVariantThisCpuCannotRunIsRefusedNotExecuted) {
   QuantIsaGuard guard;
-  EXPECT_THROW(set_active_quant_isa("no-such-isa"), InvalidArgumentError);
-  for (const QuantIsaVariant& v : compiled_quant_isas()) {
-    if (!v.supported()) EXPECT_THROW(set_active_quant_isa(v.name), InvalidArgumentError) << v.name;
+  EXPECT_THROW(set_active_isa("no-such-isa"), InvalidArgumentError);
+  for (const IsaVariant& v : compiled_isas()) {
+    if (!v.supported()) EXPECT_THROW(set_active_isa(v.name), InvalidArgumentError) << v.name;
   }
 }
 

@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "backends/cpu/attention_cpu.h"
+#include "backends/cpu/attention/attention_cpu.h"
 #include "backends/metal/metal_plan.h"
 #include "core/errors.h"
 #include "kernel_launchers.h"

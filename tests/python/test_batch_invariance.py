@@ -202,9 +202,19 @@ print("RESULT " + json.dumps(res))
 
 
 def _lower_variants() -> list[str]:
+    """The variants below the active one this CPU runs, lowest first, each bringing an attention or GEMM table
+    no variant before it (the active one included) ran: avx2 and baseline on an AVX-512 machine (avx512 runs
+    tables those two and avx512_vnni cover), avx_vnni too where the CPU has it."""
     from pagedserve import _core
     active = _core.cpu.kernel_isa()
-    return [name for name, ok, _ in _core.cpu.compiled_isas() if ok and name != active]
+    seen = {(family, _core.cpu.kernel_tables(active)[family]) for family in ("attention", "gemm")}
+    lower = []
+    for name, ok, _ in _core.cpu.compiled_isas():
+        tables = {(family, _core.cpu.kernel_tables(name)[family]) for family in ("attention", "gemm")}
+        if ok and name != active and not tables <= seen:
+            lower.append(name)
+            seen |= tables
+    return lower
 
 
 @pytest.mark.parametrize("isa", _lower_variants() or ["none"])

@@ -1,5 +1,5 @@
 """The fused elementwise CPU ops (_core.cpu.rms_norm, fused_add_rms_norm,
-silu_and_mul, rotary_embedding; csrc/backends/cpu/fused_ops.h) against the
+silu_and_mul, rotary_embedding; csrc/backends/cpu/ops/fused_ops.h) against the
 Hugging Face modules they replace: LlamaRMSNorm, the decoder layer's
 `residual + hidden_states` then norm, ACT2FN['silu'](gate) * up, and
 LlamaRotaryEmbedding + apply_rotary_pos_emb (default and llama3 rope scaling,
@@ -46,13 +46,13 @@ def assert_matches(got: torch.Tensor, want: torch.Tensor, max_mismatch: float = 
     assert differ <= max(1, max_mismatch * g.numel()), f"{differ} of {g.numel()} bfloat16 values differ from torch's"
 
 
-@pytest.fixture(params=[isa for isa, ok, _ in cpu.compiled_isas() if ok])
+@pytest.fixture(params=cpu.variants_for("ops"))
 def isa(request):
-    """Runs the test under each kernel variant this CPU executes."""
+    """Runs the test under each fused-op kernel table this CPU executes (one registry variant per table)."""
     before = cpu.kernel_isa()
     cpu.set_kernel_isa(request.param)
     try:
-        assert cpu.fused_ops_isa() == request.param
+        assert cpu.kernel_tables()["ops"] == request.param
         yield request.param
     finally:
         cpu.set_kernel_isa(before)

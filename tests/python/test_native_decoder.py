@@ -1,4 +1,4 @@
-"""The native decode step (csrc/backends/cpu/native_decoder.h, used by
+"""The native decode step (csrc/backends/cpu/step/native_decoder.h, used by
 pagedserve/model/lean_llama.py): a Llama decoder's whole forward in one C++
 call. It runs the lean forward's kernels in the lean forward's order, so its
 hidden states, and so the logits and greedy tokens, must be bit-identical to

@@ -1,5 +1,5 @@
 """The native decode step over Hugging Face modules (pagedserve/model/
-native_step.py; csrc/backends/cpu/native_decoder.h): Gemma 3, Qwen 2 and
+native_step.py; csrc/backends/cpu/step/native_decoder.h): Gemma 3, Qwen 2 and
 Qwen 3 decoders whose linear layers are on GGUF blocks run each step as one
 C++ call. Its logits must equal the Hugging Face modules' (the same blocks;
 the norms' summation order and gelu's last bits may differ) and its greedy

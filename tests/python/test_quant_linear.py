@@ -80,23 +80,22 @@ def test_linear_matches_float_matmul_of_the_dequantised_weights(gguf_tensors, na
     if bias is not None:
         want += bias
     rel = ((out.float() - want).norm() / want.norm()).item()
-    assert rel < REL_TOL, f"{cpu.quant_kernel_isa()}: relative error {rel:.4g}"
+    assert rel < REL_TOL, f"{cpu.kernel_tables()['gemm']}: relative error {rel:.4g}"
 
 
 def test_every_runnable_variant_agrees(gguf_tensors):
     gguf, tensors = gguf_tensors
     w, n, k = build(tensors["blk.1.ffn_up.weight"])
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(0))
-    active = cpu.quant_kernel_isa()
+    active = cpu.kernel_isa()
     outs = {}
     try:
-        for name, supported, _needs in cpu.quant_compiled_isas():
-            if supported:
-                cpu.set_quant_kernel_isa(name)
-                outs[name] = torch.empty(9, n)
-                w.linear(x, outs[name], None, 2)
+        for name in cpu.variants_for("gemm"):
+            cpu.set_kernel_isa(name)
+            outs[cpu.kernel_tables()["gemm"]] = torch.empty(9, n)
+            w.linear(x, outs[cpu.kernel_tables()["gemm"]], None, 2)
     finally:
-        cpu.set_quant_kernel_isa(active)
+        cpu.set_kernel_isa(active)
     ref = outs["scalar"]
     for name, o in outs.items():
         assert ((o - ref).norm() / ref.norm()).item() < 1e-6, name
@@ -109,12 +108,10 @@ def test_a_rows_result_does_not_depend_on_its_batch(gguf_tensors):
     _gguf, tensors = gguf_tensors
     w, n, k = build(tensors["blk.2.ffn_gate.weight"])
     x = torch.randn(37, k, generator=torch.Generator().manual_seed(1)).bfloat16()
-    active = cpu.quant_kernel_isa()
+    active = cpu.kernel_isa()
     try:
-        for name, supported, _needs in cpu.quant_compiled_isas():
-            if not supported:
-                continue
-            cpu.set_quant_kernel_isa(name)
+        for name in cpu.variants_for("gemm"):
+            cpu.set_kernel_isa(name)
             full = torch.empty(37, n, dtype=torch.bfloat16)
             w.linear(x, full, None, 2)
             for r0, rows, threads in ((0, 1, 1), (36, 1, 2), (3, 9, 2), (8, 24, 1), (11, 5, 2)):
@@ -122,7 +119,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(gguf_tensors):
                 w.linear(x[r0:r0 + rows].contiguous(), part, None, threads)
                 assert torch.equal(part.view(torch.int16), full[r0:r0 + rows].view(torch.int16)), (name, r0, rows)
     finally:
-        cpu.set_quant_kernel_isa(active)
+        cpu.set_kernel_isa(active)
 
 
 def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
@@ -167,4 +164,4 @@ def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
     with pytest.raises(KernelArgumentError):
         w.dequantize(torch.empty(n, k + 32))
     assert issubclass(KernelArgumentError, ValueError)
-    assert cpu.quant_kernel_isa() in {v[0] for v in cpu.quant_compiled_isas()}
+    assert cpu.kernel_isa() in {v[0] for v in cpu.compiled_isas()}

@@ -9,7 +9,7 @@ KV layout, per layer one tensor [2, num_blocks, Hkv, block_size * D]:
   v_cache [num_blocks, Hkv, block_size, D].
 The kernels read K/V straight from the blocks with an online softmax, thread
 over (sequence, KV head, query chunk) and split long decodes along the KV
-length (csrc/backends/cpu/attention_cpu.h). The per-step plan
+length (csrc/backends/cpu/attention/attention_cpu.h). The per-step plan
 (``cpu_core.AttentionPlan``) validates the metadata, partitions the work and
 sizes the scratch once per step; each layer only checks its tensors against it.
 The kernels are compiled for several ISAs and the best this CPU runs is chosen
@@ -68,8 +68,12 @@ class CpuAttentionBackend(AttentionBackend):
 
     @classmethod
     def variants(cls) -> list[KernelVariant]:
+        """The registry's variants, one per attention table this CPU runs
+        (avx_vnni runs avx2's attention, so a test need not run both), and
+        those it cannot run with the reason."""
+        distinct = set(cpu_core.variants_for("attention"))
         return [KernelVariant(name, ok, "" if ok else f"this CPU lacks {needs}")
-                for name, ok, needs in cpu_core.compiled_isas()]
+                for name, ok, needs in cpu_core.compiled_isas() if name in distinct or not ok]
 
     @classmethod
     def use_variant(cls, name: str) -> None:

@@ -6,7 +6,7 @@ which a row's products are summed, by the call's row count: the same token
 gets other logits alone than in a 40-row step (dense_gemm_layers in
 prepare.py). Our kernel ``QuantizedWeight.linear_f32`` sums each output along
 k in order, one float32 fused multiply-add per k, in any call. Its dense tiles
-(quant_isa.h: ``f32``, ``bf16``) hold the weights as they are (float32: 4
+(csrc/backends/cpu/gemm/kernel_table.h: ``f32``, ``bf16``) hold the weights as they are (float32: 4
 bytes a weight, bfloat16: 2, widened exactly), reordered into its 16-row
 tiles, so the same kernel that serves a GGUF's blocks serves a float32 or
 bfloat16 checkpoint: the layers become GGUFFloatLinear modules without a dense

@@ -4,7 +4,7 @@ the mapping from a transformers layer name to the GGUF tensor that stores it,
 llama.cpp's rotary row order of the q/k projections, the block types our
 kernels read (NATIVE_QTYPES, FLOAT_QTYPES), and gguf-py's quantiser / de-quantiser (the
 reference our C++ kernels are held to). The block layouts themselves are the
-C++ kernels' (csrc/backends/cpu/gguf_types.cc); converting a file to a
+C++ kernels' (csrc/backends/cpu/gemm/gguf_types.cc); converting a file to a
 transformers model is transformers' GGUF reader (loader.py).
 """
 

@@ -3,7 +3,7 @@ decoder families without a lean forward: Gemma 3 (Gemma Team 2025, "Gemma 3
 Technical Report"), Qwen 2 and Qwen 3. It is built once the gguf path has put
 the modules' linear layers on the GGUF's blocks, and shares those blocks.
 
-The C++ decoder (csrc/backends/cpu/native_decoder.h) takes what differs
+The C++ decoder (csrc/backends/cpu/step/native_decoder.h) takes what differs
 between the families as options, read here from the modules (FAMILIES):
 
 - Gemma 3: a scaled embedding (sqrt(hidden)), RMSNorm factors (1 + w),

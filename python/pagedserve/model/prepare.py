@@ -344,4 +344,4 @@ def _own_memory(model: torch.nn.Module) -> None:
 
 
 def _kernel_isa() -> str:
-    return cpu_core.quant_kernel_isa()
+    return cpu_core.kernel_tables()["gemm"]

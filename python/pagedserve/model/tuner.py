@@ -219,7 +219,7 @@ def machine() -> dict:
     except OSError:
         model_name = platform.processor()
     return {"cpu": model_name, "arch": caps.arch, "features": sorted(caps.features),
-            "kernel_isa": cpu_core.quant_kernel_isa(), "threads": torch.get_num_threads(), **library_versions()}
+            "kernel_isa": cpu_core.kernel_isa(), "threads": torch.get_num_threads(), **library_versions()}
 
 
 @dataclass

@@ -1,6 +1,6 @@
 // What this CPU can execute, read once from the hardware (CPUID and XGETBV on
 // x86-64, so a feature the OS does not save across context switches counts as
-// absent; getauxval / sysctl on arm64). The kernel dispatcher (cpu_isa.h) and
+// absent; getauxval / sysctl on arm64). The ISA registry (isa_registry.h) and
 // Python's dtype and GEMM-path choices (pagedserve.hardware) both read it.
 #pragma once
 

@@ -1,41 +1,23 @@
 // The fused elementwise ops' dispatcher (fused_ops.h): argument checks, the
 // ISA variant's kernel table, and the row split over the thread pool.
-#include "fused_ops.h"
+#include "backends/cpu/ops/fused_ops.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
 
-#include "attention_cpu.h"  // kMaxThreads
+#include "backends/cpu/attention/attention_cpu.h"  // kMaxThreads
 #include "core/errors.h"
-#include "cpu_isa.h"
-#include "fused_kernel_isa.h"
-#include "thread_pool.h"
+#include "backends/cpu/runtime/isa_registry.h"
+#include "backends/cpu/ops/kernel_table.h"
+#include "backends/cpu/runtime/thread_pool.h"
 
 namespace pagedserve {
 namespace cpu {
 namespace {
 
-const FusedKernelTable& table() {
-  const std::string isa = active_isa().name;
-#if defined(PAGEDSERVE_HAVE_ISA_BASELINE)
-  if (isa == "baseline") return fused_kernel_table_baseline();
-#endif
-#if defined(PAGEDSERVE_HAVE_ISA_NEON)
-  if (isa == "neon") return fused_kernel_table_neon();
-#endif
-#if defined(PAGEDSERVE_HAVE_ISA_AVX2)
-  if (isa == "avx2") return fused_kernel_table_avx2();
-#endif
-#if defined(PAGEDSERVE_HAVE_ISA_AVX512)
-  if (isa == "avx512") return fused_kernel_table_avx512();
-#endif
-#if defined(PAGEDSERVE_HAVE_ISA_NATIVE)
-  if (isa == "native") return fused_kernel_table_native();
-#endif
-  throw KernelArgumentError("no fused-op kernels for CPU kernel variant '" + isa + "'");  // unreachable
-}
+const FusedKernelTable& table() { return active_isa().ops(); }
 
 int64_t elem_size(DType d) { return d == DType::kBFloat16 ? 2 : 4; }
 
@@ -158,7 +140,6 @@ HeadLayout check_heads(const TensorArg& t, int64_t rows, int64_t head_size) {
 
 }  // namespace
 
-const char* fused_ops_isa() { return table().isa; }
 
 void rms_norm(const TensorArg& out, const TensorArg& x, const TensorArg& weight, float eps, int num_threads) {
   check_threads(num_threads);

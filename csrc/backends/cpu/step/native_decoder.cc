@@ -1,6 +1,6 @@
 // The native decode step (native_decoder.h): a decoder layer's op sequence,
 // kernel for kernel, without a Python call between the ops.
-#include "native_decoder.h"
+#include "backends/cpu/step/native_decoder.h"
 
 #include <algorithm>
 #include <cmath>
@@ -8,10 +8,11 @@
 #include <string>
 #include <utility>
 
-#include "attention_cpu.h"
+#include "backends/cpu/attention/attention_cpu.h"
 #include "core/errors.h"
-#include "fused_ops.h"
-#include "quant_linear.h"
+#include "backends/cpu/ops/fused_ops.h"
+#include "backends/cpu/gemm/quant_linear.h"
+#include "backends/cpu/runtime/isa_registry.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -175,7 +176,7 @@ void NativeDecoder::run_linear(const NativeLinear& linear, const TensorArg& x, f
   parts.reserve(linear.parts.size());
   for (const auto& part : linear.parts) parts.push_back(part.get());
   QuantizedWeight::linear_f32_parts(parts, x.ptr<float>(), t, out, out_stride, bias, num_threads,
-                                    active_quant_isa().table());
+                                    active_isa().gemm());
 }
 
 void NativeDecoder::forward(const TensorArg& input_ids, const TensorArg& positions, const TensorArg& slot_mapping,

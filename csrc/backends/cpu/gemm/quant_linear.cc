@@ -1,9 +1,9 @@
-// QuantizedWeight: GGUF weights repacked into the tiles of quant_kernels.cc
+// QuantizedWeight: GGUF weights repacked into the tiles of gemm/kernel_table.h
 // (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4f / i8f by
-// gguf_types.cc), the run-time choice of their variant, dequantisation and
+// gguf_types.cc), dequantisation and
 // the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
 // dequantisation must round d * q and + m separately, as numpy does).
-#include "quant_linear.h"
+#include "backends/cpu/gemm/quant_linear.h"
 
 #include <algorithm>
 #include <atomic>
@@ -15,14 +15,14 @@
 #include <thread>
 
 #include "core/errors.h"
-#include "huge_pages.h"
-#include "cpu_features.h"
-#include "cpu_isa.h"
-#include "cpu_relax.h"
-#include "fused_ops.h"  // for_rows
-#include "gguf_types.h"
-#include "scalar_convert.h"
-#include "thread_pool.h"
+#include "backends/cpu/runtime/huge_pages.h"
+#include "backends/cpu/runtime/cpu_features.h"
+#include "backends/cpu/runtime/isa_registry.h"
+#include "backends/cpu/runtime/cpu_relax.h"
+#include "backends/cpu/ops/fused_ops.h"  // for_rows
+#include "backends/cpu/gemm/gguf_types.h"
+#include "backends/cpu/runtime/scalar_convert.h"
+#include "backends/cpu/runtime/thread_pool.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -49,29 +49,6 @@ uint16_t load_u16(const uint8_t* p) {
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-
-const QuantIsaVariant* find_quant(const std::string& name) {
-  for (const QuantIsaVariant& v : compiled_quant_isas()) {
-    if (name == v.name) return &v;
-  }
-  return nullptr;
-}
-
-// The quantized variants' rank, and the highest rank the attention variant allows.
-int quant_rank(const std::string& name) {
-  if (name == "avx512_vnni") return 3;
-  if (name == "avx_vnni") return 2;
-  if (name == "avx2") return 1;
-  return 0;
-}
-
-int rank_cap(const std::string& attention_isa) {
-  if (attention_isa == "avx512" || attention_isa == "native") return 3;
-  if (attention_isa == "avx2") return 2;
-  return 0;
-}
-
-std::atomic<const QuantIsaVariant*> g_active{nullptr};
 
 // Per calling thread: the quantised activations of the call in flight.
 struct Scratch {
@@ -125,53 +102,6 @@ int64_t check_linear_args(const TensorArg& x, const TensorArg& out, const Tensor
 }
 
 }  // namespace
-
-const std::vector<QuantIsaVariant>& compiled_quant_isas() {
-  static const std::vector<QuantIsaVariant> variants = {
-      {"scalar", "nothing (plain C++)", [] { return true; }, &quant_kernel_table_scalar},
-#if defined(PAGEDSERVE_HAVE_QISA_AVX2)
-      {"avx2", "x86-64-v3: avx2 fma f16c bmi2", [] { return cpu_features().x86_64_v3(); }, &quant_kernel_table_avx2},
-#endif
-#if defined(PAGEDSERVE_HAVE_QISA_AVX_VNNI)
-      {"avx_vnni", "x86-64-v3 and avx_vnni",
-       [] { return cpu_features().x86_64_v3() && cpu_features().avx_vnni; }, &quant_kernel_table_avx_vnni},
-#endif
-#if defined(PAGEDSERVE_HAVE_QISA_AVX512_VNNI)
-      {"avx512_vnni", "x86-64-v4 and avx512_vnni",
-       [] { return cpu_features().x86_64_v4() && cpu_features().avx512_vnni; }, &quant_kernel_table_avx512_vnni},
-#endif
-  };
-  return variants;
-}
-
-const QuantIsaVariant& active_quant_isa() {
-  const QuantIsaVariant* v = g_active.load();
-  if (v != nullptr) return *v;
-  static std::mutex mu;
-  std::lock_guard<std::mutex> lock(mu);
-  if ((v = g_active.load()) != nullptr) return *v;
-  const int cap = rank_cap(active_isa().name);  // throws for a bad PAGEDSERVE_CPU_ISA
-  for (const QuantIsaVariant& c : compiled_quant_isas()) {
-    if (c.supported() && quant_rank(c.name) <= cap) v = &c;  // lowest first: the last is the best
-  }
-  g_active.store(v);
-  return *v;
-}
-
-void set_active_quant_isa(const std::string& name) {
-  const QuantIsaVariant* v = find_quant(name);
-  if (v == nullptr) {
-    std::string have;
-    for (const QuantIsaVariant& c : compiled_quant_isas()) have += std::string(have.empty() ? "" : ", ") + c.name;
-    throw InvalidArgumentError("set_quant_kernel_isa names quantized kernel variant '" + name +
-                               "', which this build does not have (compiled: " + have + ")");
-  }
-  if (!v->supported()) {
-    throw InvalidArgumentError("set_quant_kernel_isa names quantized kernel variant '" + name +
-                               "', which this CPU cannot execute (it needs " + v->requires_ + ")");
-  }
-  g_active.store(v);
-}
 
 void QuantizedWeight::Free::operator()(uint8_t* p) const { huge_page_free(p); }
 
@@ -421,7 +351,7 @@ void QuantizedWeight::linear(const TensorArg& x, const TensorArg& out, const Ten
   const int64_t m = check_linear_args(x, out, bias, num_threads, n_, k_);
   if (m == 0) return;
   linear_raw(x.data, x.dtype, m, out.data, bias != nullptr ? bias->ptr<float>() : nullptr, num_threads,
-             active_quant_isa().table());
+             active_isa().gemm());
 }
 
 void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* out, const float* bias,
@@ -516,7 +446,7 @@ void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const
   if (m == 0) return;
   const float* b = bias != nullptr ? bias->ptr<float>() : nullptr;
   if (x.dtype == DType::kFloat32) {
-    linear_f32_parts({this}, x.ptr<float>(), m, out.ptr<float>(), n_, b, num_threads, active_quant_isa().table());
+    linear_f32_parts({this}, x.ptr<float>(), m, out.ptr<float>(), n_, b, num_threads, active_isa().gemm());
     return;
   }
   // bfloat16: widened exactly into float32 rows, the float32 results rounded once (to nearest even, as
@@ -531,7 +461,7 @@ void QuantizedWeight::linear_f32(const TensorArg& x, const TensorArg& out, const
   for_rows(m, k_, num_threads, [&](int64_t r0, int64_t r1) {  // the fused elementwise ops' split
     for (int64_t i = r0 * k_; i < r1 * k_; ++i) xw[i] = bf16_to_float(xb[i]);
   });
-  linear_f32_parts({this}, xw, m, of.data(), n_, b, num_threads, active_quant_isa().table());
+  linear_f32_parts({this}, xw, m, of.data(), n_, b, num_threads, active_isa().gemm());
   bf16* ob = out.ptr<bf16>();
   const float* ow = of.data();
   for_rows(m, n_, num_threads, [&](int64_t r0, int64_t r1) {

@@ -1,5 +1,5 @@
-// What the CPU backend's per-ISA translation units (kernels.cc,
-// fused_kernels.cc, quant_kernels.cc) and quant_linear.cc share: the
+// What the CPU backend's per-ISA translation units (attention/kernels.cc,
+// ops/kernels.cc, gemm/kernels_*.cc) and gemm/quant_linear.cc share: the
 // token-pasting macros that name each variant's table, the scalar
 // conversions between float32 and bfloat16 / IEEE half, and exp_poly (an
 // exp written so that loops around it vectorise).

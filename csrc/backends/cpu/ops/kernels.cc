@@ -1,5 +1,5 @@
-// The fused elementwise ops' kernels (fused_kernel_isa.h), compiled once per
-// ISA variant like kernels.cc: CMake builds this file with PAGEDSERVE_ISA set
+// The fused elementwise ops' kernels (ops/kernel_table.h), compiled once per
+// ISA variant like attention/kernels.cc: CMake builds this file with PAGEDSERVE_ISA set
 // to baseline, avx2, avx512, neon or native and that variant's -m flags; the
 // loops are plain C++ with `omp simd` hints that the compiler vectorises.
 //
@@ -19,8 +19,8 @@
 
 #include <cstdint>
 
-#include "fused_kernel_isa.h"
-#include "scalar_convert.h"
+#include "backends/cpu/ops/kernel_table.h"
+#include "backends/cpu/runtime/scalar_convert.h"
 
 #ifndef PAGEDSERVE_ISA
 #error "PAGEDSERVE_ISA must name the variant this file is compiled for"

@@ -22,15 +22,15 @@
 // Every function validates all arguments (and, for rotary_embedding, every
 // position) before it writes anything, and throws KernelArgumentError naming
 // the offending tensor; no input can make it read or write out of bounds.
-// The kernels are compiled per ISA variant (fused_kernel_isa.h); the active
-// variant is cpu_isa.h's active_isa().
+// The kernels are compiled per ISA variant (ops/kernel_table.h); the active
+// variant is runtime/isa_registry.h's active_isa().
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
 
 #include "backends/common/tensor_arg.h"
-#include "thread_pool.h"
+#include "backends/cpu/runtime/thread_pool.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -116,9 +116,6 @@ void gelu_tanh_and_mul(const TensorArg& out, const TensorArg& x, int num_threads
 // num_threads in [1, kMaxThreads]. Throws KernelArgumentError.
 void rotary_embedding(const TensorArg& positions, const TensorArg& query, const TensorArg* key, int64_t head_size,
                       const TensorArg& cos_sin_cache, bool is_neox, int num_threads = 1);
-
-// The ISA variant the fused ops run with now ("baseline", "avx2", ...; cpu_isa.h).
-const char* fused_ops_isa();
 
 }  // namespace cpu
 }  // namespace pagedserve

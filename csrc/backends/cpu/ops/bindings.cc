@@ -8,7 +8,7 @@
 #include <string>
 
 #include "binding_registry.h"
-#include "fused_ops.h"
+#include "backends/cpu/ops/fused_ops.h"
 
 namespace py = pybind11;
 
@@ -79,9 +79,6 @@ void bind_fused(py::module_& m) {
       "[max_position, rot_dim] float32 (cos | sin halves, as vLLM). is_neox: rotate_half (Hugging Face "
       "apply_rotary_pos_emb's roundings), else GPT-J pairs. Raises KernelArgumentError (also for a position "
       "outside the cache, before anything is written).");
-  m.def(
-      "fused_ops_isa", [] { return std::string(fused_ops_isa()); },
-      "The kernel variant the fused ops run with (the active one, as kernel_isa()).");
 }
 
 const BackendBinding registration("cpu", &bind_fused);

@@ -1,7 +1,7 @@
 // The interface between the fused elementwise ops' dispatcher (fused_ops.cc,
 // built for the baseline ISA) and their kernel translation unit
-// (fused_kernels.cc), which CMake compiles once per ISA variant alongside
-// kernels.cc (kernel_isa.h explains the variants and why only plain structs
+// (ops/kernels.cc), which CMake compiles once per ISA variant alongside
+// attention/kernels.cc (attention/kernel_table.h explains the variants and why only plain structs
 // and declarations may live here).
 //
 // Every kernel takes a half-open range of rows [r0, r1) so the dispatcher can
@@ -71,7 +71,7 @@ struct FusedKernelTable {
   void (*rotary_embedding)(const RotaryArgs& a, int64_t r0, int64_t r1);
 };
 
-// One getter per compiled variant (defined in fused_kernels.cc under PAGEDSERVE_ISA).
+// One getter per compiled variant (defined in ops/kernels.cc under PAGEDSERVE_ISA).
 const FusedKernelTable& fused_kernel_table_baseline();
 const FusedKernelTable& fused_kernel_table_avx2();
 const FusedKernelTable& fused_kernel_table_avx512();

@@ -3,8 +3,8 @@
 // which CMake compiles once per instruction set: baseline (SSE2), AVX2+FMA
 // (x86-64-v3) and AVX-512 (x86-64-v4) on x86-64, NEON (the arm64 baseline),
 // plain C++ elsewhere ("baseline"), plus -march=native when the
-// opt-in PAGEDSERVE_NATIVE_ARCH option is on. cpu_isa.cc picks one at run time
-// from the CPU's features.
+// opt-in PAGEDSERVE_NATIVE_ARCH option is on. The registry
+// (runtime/isa_registry.h) picks one at run time from the CPU's features.
 //
 // Only plain structs and function declarations live here: an inline function
 // compiled into an AVX-512 object could be chosen by the linker for every
@@ -21,7 +21,7 @@ namespace cpu {
 
 constexpr int kQueryChunk = 16;         // query tokens per work item
 constexpr int kMinBlocksPerSplit = 16;  // KV blocks a decode split covers at least
-constexpr int kTileKeys = 32;           // keys a tile step of kernels.cc covers at most (two blocks of 16)
+constexpr int kTileKeys = 32;           // keys a tile step of attention/kernels.cc covers at most (two blocks of 16)
 
 // One unit of work: sequence b's query tokens [q0, q1) (relative to the
 // sequence's first query token) for the query heads [g0, g1) of KV head hk's

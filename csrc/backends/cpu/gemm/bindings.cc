@@ -4,7 +4,7 @@
 //     .dequantize(out), .linear(x, out, bias, num_threads),
 //     .linear_f32(x, out, bias, num_threads), .nbytes, .qtype,
 //     .in_features, .out_features
-//   quant_kernel_isa(), quant_compiled_isas(), set_quant_kernel_isa(name)
+//   (the variant they run with: runtime/bindings.cc's kernel_isa(), kernel_tables())
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -13,7 +13,7 @@
 #include <string>
 
 #include "binding_registry.h"
-#include "quant_linear.h"
+#include "backends/cpu/gemm/quant_linear.h"
 
 namespace py = pybind11;
 
@@ -105,24 +105,6 @@ void bind_quant(py::module_& m) {
           "every type.")
       .def_property_readonly("in_features", &QuantizedWeight::in_features)
       .def_property_readonly("out_features", &QuantizedWeight::out_features);
-
-  m.def(
-      "quant_kernel_isa", [] { return std::string(active_quant_isa().name); },
-      "The quantized-linear kernel variant in use: 'avx512_vnni', 'avx_vnni', 'avx2' or 'scalar' (the best this "
-      "CPU runs, capped by the attention variant, so PAGEDSERVE_CPU_ISA lowers it). Raises InvalidArgumentError "
-      "if PAGEDSERVE_CPU_ISA names a variant that is not compiled in or that this CPU cannot execute.");
-  m.def(
-      "quant_compiled_isas",
-      [] {
-        py::list out;
-        for (const QuantIsaVariant& v : compiled_quant_isas()) {
-          out.append(py::make_tuple(v.name, v.supported(), v.requires_));
-        }
-        return out;
-      },
-      "[(name, supported on this CPU, what it needs)] of the quantized-linear variants in this build, lowest first.");
-  m.def("set_quant_kernel_isa", &set_active_quant_isa, py::arg("name"),
-        "Switches the quantized-linear kernel variant (for tests and benchmarks). Raises InvalidArgumentError.");
 }
 
 const BackendBinding registration("cpu", &bind_quant);

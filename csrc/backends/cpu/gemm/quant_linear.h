@@ -10,10 +10,9 @@
 // lossless alternative: float32 activations times the weights expanded in
 // registers to their exact float32 values (AVX-512 / AVX2 FMA, plain C++).
 //
-// The kernel variant is chosen at run time (quant_isa.h, compiled_quant_isas()
-// below): the best one this build has and this CPU executes, capped by the
-// attention kernels' variant (cpu_isa.h), so PAGEDSERVE_CPU_ISA=avx2 keeps the
-// quantized kernels at 256 bits and PAGEDSERVE_CPU_ISA=baseline makes them scalar.
+// The kernels run with the GEMM table of the CPU backend's active ISA variant
+// (runtime/isa_registry.h: the best this build has and this CPU executes, or
+// PAGEDSERVE_CPU_ISA's), one file per ISA (gemm/kernels_*.cc).
 #pragma once
 
 #include <cstddef>
@@ -23,31 +22,10 @@
 #include <vector>
 
 #include "backends/common/tensor_arg.h"
-#include "quant_isa.h"
+#include "backends/cpu/gemm/kernel_table.h"
 
 namespace pagedserve {
 namespace cpu {
-
-struct QuantIsaVariant {
-  const char* name;       // "scalar", "avx2", "avx_vnni" or "avx512_vnni"
-  const char* requires_;  // what the CPU must have, for messages
-  bool (*supported)();    // can this CPU execute it
-  const QuantKernelTable& (*table)();
-};
-
-// Quantized-kernel variants compiled into this build, lowest ISA first.
-const std::vector<QuantIsaVariant>& compiled_quant_isas();
-
-// The variant QuantizedWeight::linear runs with now. On first call: the best
-// compiled variant this CPU supports whose ISA does not exceed the attention
-// kernels' active variant (active_isa(): baseline/neon -> scalar, avx2 -> at
-// most avx_vnni, avx512/native -> any). Throws InvalidArgumentError where
-// active_isa() does (PAGEDSERVE_CPU_ISA naming an unusable variant).
-const QuantIsaVariant& active_quant_isa();
-
-// Makes `name` the active quantized variant (tests run each one). Throws
-// InvalidArgumentError if it is not compiled in or this CPU cannot execute it.
-void set_active_quant_isa(const std::string& name);
 
 // The GGUF block types a QuantizedWeight reads (ggml's formats, as gguf-py
 // de-quantises them).
@@ -65,14 +43,14 @@ const char* qtype_name(QType q);  // "q4_1", "q6_k", ...
 int64_t qtype_block_bytes(QType q);
 // Elements of one GGUF block: 32, or 256 for the K-quants (Q4_K, Q5_K, Q6_K).
 int64_t qtype_block_elements(QType q);
-// The tile format a type is repacked into (quant_isa.h): Q4_1 and Q8_0 their
+// The tile format a type is repacked into (gemm/kernel_table.h): Q4_1 and Q8_0 their
 // own; Q4_0 Q4_1's (Q8_0's where some -8 d is no float16: QuantizedWeight
 // decides per weight) and Q5_0 Q8_0's (gguf_types.h: as_stored_blocks); Q4_K
 // u4f; Q5_1 and Q5_K u5f; Q6_K i8f; F32, F16, BF16 their own dense tiles.
 TileFormat tile_format_of(QType q);
 
 // A GGUF-quantized weight matrix W [N out, K in], repacked once into the
-// interleaved 16-row tiles of quant_isa.h (aligned memory it owns; the raw
+// interleaved 16-row tiles of gemm/kernel_table.h (aligned memory it owns; the raw
 // bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; Q4_0 and Q5_0
 // are rewritten as Q4_1 (0.625 bytes per weight) and Q8_0 (1.0625) blocks of
 // the same values; the other types become u4f (Q4_K, 0.75 bytes per weight),

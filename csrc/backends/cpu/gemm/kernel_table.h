@@ -1,11 +1,13 @@
 // The interface between QuantizedWeight (quant_linear.cc, built for the
-// baseline ISA) and its kernel translation unit (quant_kernels.cc), which CMake
-// compiles once per quantized-kernel variant: "scalar" (plain C++, every
-// architecture), "avx2" (x86-64-v3, vpmaddubsw + vpmaddwd), "avx_vnni"
-// (x86-64-v3 + AVX-VNNI, 256-bit vpdpbusd) and "avx512_vnni" (x86-64-v4 +
-// AVX512-VNNI, 512-bit vpdpbusd). quant_linear.cc picks one at run time.
+// baseline ISA) and its kernels, one source per ISA that CMake compiles into
+// the GEMM tables: "scalar" (kernels_scalar.cc: plain C++, every
+// architecture), "avx2" (kernels_avx2.cc: x86-64-v3, vpmaddubsw + vpmaddwd),
+// "avx_vnni" (kernels_avx2.cc again with AVX-VNNI: 256-bit vpdpbusd) and
+// "avx512_vnni" (kernels_avx512.cc: x86-64-v4 + AVX512-VNNI, 512-bit
+// vpdpbusd). The registry (runtime/isa_registry.h) names the table each ISA
+// variant runs with.
 //
-// As in kernel_isa.h, only plain structs, constants and function declarations
+// As in attention/kernel_table.h, only plain structs, constants and function declarations
 // live here: an inline function compiled into an AVX-512 object could be chosen
 // by the linker for every caller (tests/cpp/check_isa_objects.cmake checks the
 // objects define no weak symbols).
@@ -147,7 +149,7 @@ struct QuantKernelTable {
   void (*gemm_f32)(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
 };
 
-// One getter per compiled variant (defined in quant_kernels.cc under PAGEDSERVE_QISA).
+// One getter per compiled table (defined in kernels_*.cc under PAGEDSERVE_GEMM_ISA).
 const QuantKernelTable& quant_kernel_table_scalar();
 const QuantKernelTable& quant_kernel_table_avx2();
 const QuantKernelTable& quant_kernel_table_avx_vnni();

@@ -29,8 +29,8 @@
 
 #include "backends/common/attention_checks.h"
 #include "backends/common/tensor_arg.h"
-#include "cpu_isa.h"
-#include "kernel_isa.h"
+#include "backends/cpu/runtime/isa_registry.h"
+#include "backends/cpu/attention/kernel_table.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -60,7 +60,7 @@ class AttentionPlan {
   // wholly outside the window, so a long decode reads only in-window blocks.
   // split_kv: let long decodes in a step of few items be split along the KV length (see above).
   // num_threads in [1, kMaxThreads] worker threads (usually torch.get_num_threads()). The ISA
-  // variant is the active one now (cpu_isa.h). Throws KernelArgumentError.
+  // variant is the active one now (runtime/isa_registry.h). Throws KernelArgumentError.
   AttentionPlan(const TensorArg& query_start_loc, const TensorArg& seq_lens, const TensorArg& block_tables,
                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, int64_t num_blocks,
                 bool causal, int num_threads, int64_t sliding_window = 0, bool split_kv = false);

@@ -1,11 +1,11 @@
-#include "thread_pool.h"
+#include "backends/cpu/runtime/thread_pool.h"
 
 #include <chrono>
 #include <string>
 #include <system_error>
 
 #include "core/errors.h"
-#include "cpu_relax.h"
+#include "backends/cpu/runtime/cpu_relax.h"
 
 namespace pagedserve {
 namespace cpu {

@@ -1,13 +1,13 @@
 // GGUF block types (gguf_types.h, quant_linear.h): names, sizes and the exact
 // decoding of the types kept as i8f tiles. Built with -ffp-contract=off (the
 // products are written out; none may fuse with a later add).
-#include "gguf_types.h"
+#include "backends/cpu/gemm/gguf_types.h"
 
 #include <cstring>
 #include <string>
 
 #include "core/errors.h"
-#include "scalar_convert.h"
+#include "backends/cpu/runtime/scalar_convert.h"
 
 namespace pagedserve {
 namespace cpu {

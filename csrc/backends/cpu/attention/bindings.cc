@@ -1,16 +1,13 @@
-// pybind11 bindings of the CPU backend: the submodule pagedserve._core.cpu
-// (registered through binding_registry.h; pagedserve.kernels.cpu wraps it).
+// pybind11 bindings of the CPU attention backend (attention_cpu.h), added to
+// the submodule pagedserve._core.cpu through binding_registry.h:
+// reshape_and_cache, AttentionPlan, paged_attention_scratch_bytes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <memory>
 
-#include "attention_cpu.h"
+#include "backends/cpu/attention/attention_cpu.h"
 #include "binding_registry.h"
-#include "cpu_features.h"
-#include "cpu_isa.h"
-#include "huge_pages.h"
-#include "thread_pool.h"
 
 namespace py = pybind11;
 
@@ -18,47 +15,7 @@ namespace pagedserve {
 namespace cpu {
 namespace {
 
-void bind_cpu(py::module_& m) {
-  m.def(
-      "cpu_features", [] { return cpu_features().names(); },
-      "Names of the features of this CPU the kernels and the dtype choice care about "
-      "(CPUID/XGETBV on x86-64: a feature the OS does not enable counts as absent).");
-  m.def("cpu_arch", [] { return cpu_features().arch; }, "'x86_64', 'arm64' or 'other'.");
-  m.def(
-      "native_bf16", [] { return cpu_features().native_bf16(); },
-      "True if the CPU has native bfloat16 arithmetic (avx512_bf16, AMX-BF16 or Arm BF16).");
-  m.def(
-      "compiled_isas",
-      [] {
-        py::list out;
-        for (const IsaVariant& v : compiled_isas()) {
-          out.append(py::make_tuple(v.name, v.supported(), v.requires_));
-        }
-        return out;
-      },
-      "[(name, supported on this CPU, what it needs)] of the kernel variants in this build, lowest ISA first.");
-  m.def(
-      "kernel_isa", [] { return std::string(active_isa().name); },
-      "The kernel variant in use (the best supported, or PAGEDSERVE_CPU_ISA's). Raises InvalidArgumentError "
-      "if PAGEDSERVE_CPU_ISA names a variant that is not compiled in or that this CPU cannot execute.");
-  m.def("set_thread_pool_spin_us", &ThreadPool::set_spin_micros, py::arg("micros"),
-        "How long the CPU kernels' idle workers and waiting callers poll before they sleep, in microseconds "
-        "(process-wide; 0, the default, sleeps at once). Worth it when our kernels make a step's calls back to back "
-        "(the quantised path); it takes cores from torch's OpenMP threads when torch's GEMMs run between them.");
-  m.def("thread_pool_spin_us", &ThreadPool::spin_micros, "The current setting of set_thread_pool_spin_us.");
-  m.def("set_kernel_isa", &set_active_isa, py::arg("name"),
-        "Switches the kernel variant (plans built afterwards use it). Raises InvalidArgumentError.");
-
-  m.def(
-      "advise_huge_pages",
-      [](uintptr_t address, int64_t nbytes) { return advise_huge_pages(reinterpret_cast<void*>(address), nbytes); },
-      py::arg("address"), py::arg("nbytes"),
-      "Asks the OS to back the whole 2 MiB pages inside [address, address + nbytes) (e.g. a fresh tensor's "
-      "data_ptr() and its bytes, before anything writes it) with transparent huge pages: fewer TLB misses for "
-      "memory a decode step streams through (the KV store). Returns the bytes advised (0 where the OS offers no "
-      "such advice, or refuses it); the memory's contents are unchanged either way.");
-  m.def("huge_pages_available", &huge_pages_available,
-        "Whether the OS takes huge-page advice here (Linux with transparent huge pages not 'never').");
+void bind_attention(py::module_& m) {
   m.def(
       "reshape_and_cache",
       [](py::handle key, py::handle value, py::handle k_cache, py::handle v_cache, py::handle slot_mapping,
@@ -115,7 +72,7 @@ void bind_cpu(py::module_& m) {
         "Scratch bytes one worker of paged_attention uses, independent of sequence length.");
 }
 
-const BackendBinding registration("cpu", &bind_cpu);
+const BackendBinding registration("cpu", &bind_attention);
 
 }  // namespace
 }  // namespace cpu

@@ -1,5 +1,5 @@
 // GGUF block-type knowledge for the CPU kernels: each type's block size and
-// bytes, the tile format it is repacked into (quant_isa.h) and the exact
+// bytes, the tile format it is repacked into (gemm/kernel_table.h) and the exact
 // decoding of a row of blocks into int8 quants with, per 16 elements, a
 // float32 scale d and minimum m, w = d * q + m equal bit for bit to gguf-py's
 // de-quantised value (ggml's block formats; our own code). QuantizedWeight
@@ -9,7 +9,7 @@
 
 #include <cstdint>
 
-#include "quant_linear.h"
+#include "backends/cpu/gemm/quant_linear.h"
 
 namespace pagedserve {
 namespace cpu {

@@ -18,11 +18,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_cpu.h"
+#include "backends/cpu/attention/attention_cpu.h"
 #include "binding_registry.h"
 #include "core/errors.h"
-#include "native_decoder.h"
-#include "quant_linear.h"
+#include "backends/cpu/step/native_decoder.h"
+#include "backends/cpu/gemm/quant_linear.h"
 
 namespace py = pybind11;
 

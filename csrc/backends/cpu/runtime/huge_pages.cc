@@ -1,4 +1,4 @@
-#include "huge_pages.h"
+#include "backends/cpu/runtime/huge_pages.h"
 
 #include <algorithm>
 #include <fstream>

@@ -1,4 +1,4 @@
-#include "cpu_features.h"
+#include "backends/cpu/runtime/cpu_features.h"
 
 #include <utility>
 

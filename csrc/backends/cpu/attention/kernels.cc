@@ -1,4 +1,4 @@
-// The CPU attention kernels, compiled once per ISA variant (kernel_isa.h):
+// The CPU attention kernels, compiled once per ISA variant (kernel_table.h):
 // CMake builds this file several times with PAGEDSERVE_ISA set to baseline,
 // avx2, avx512 (x86-64) or native, each with its own -m flags; the hot loops
 // are plain C++ with `omp simd` hints that the compiler vectorises for that ISA.
@@ -28,8 +28,8 @@
 
 #include <cstdint>
 
-#include "kernel_isa.h"
-#include "scalar_convert.h"
+#include "backends/cpu/attention/kernel_table.h"
+#include "backends/cpu/runtime/scalar_convert.h"
 
 #ifndef PAGEDSERVE_ISA
 #error "PAGEDSERVE_ISA must name the variant this file is compiled for"

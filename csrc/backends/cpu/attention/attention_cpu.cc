@@ -1,4 +1,4 @@
-#include "attention_cpu.h"
+#include "backends/cpu/attention/attention_cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,7 +7,7 @@
 #include <string>
 
 #include "core/errors.h"
-#include "thread_pool.h"
+#include "backends/cpu/runtime/thread_pool.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -69,7 +69,7 @@ void write_head_range(const TensorArg& src, const std::vector<int64_t>& slots, T
 }  // namespace
 
 int64_t kernel_scratch_floats(int64_t group, int64_t head_dim, int64_t block_size) {
-  // kernels.cc's carve_scratch: queries, accumulators, maxima, sums and per-lane
+  // attention/kernels.cc's carve_scratch: queries, accumulators, maxima, sums and per-lane
   // sums of every row; one row's scores; a widened key and value tile
   const int64_t rows = group * kQueryChunk, lanes = std::max<int64_t>(block_size, kTileKeys);
   return rows * (head_dim * 2 + 2 + lanes) + block_size + lanes * head_dim * 2 + 16;  // + 16: 64-byte alignment
@@ -243,7 +243,7 @@ void AttentionPlan::run(const TensorArg& out, const TensorArg& query, const Tens
   a.causal = causal_;
   a.sliding_window = sliding_window_;
   a.softcap = softcap;
-  const KernelTable& k = isa_->table();
+  const KernelTable& k = isa_->attention();
   const int64_t per_split = g_.group() * g_.head_dim;  // floats of one split item's partial accumulators
   const auto dispatch = [this](int64_t n, const std::function<void(int64_t, int)>& fn) {
     if (run_inline_) {

@@ -1,0 +1,224 @@
+// What the SIMD variants of the quantized linear kernels share
+// (kernels_avx2.cc, kernels_avx512.cc include it after kernels_common.h and
+// after defining their lane primitives: VecF / VecI, kLanes, load_lanes,
+// abs_max, hmax, nan_to_zero, set1f, mulf, addf, subf, minf, maxf, trunc_i32,
+// store_q): the activation quantisation over those primitives, the integer
+// GEMM of the decoded tiles (256-bit AVX2 instructions in every SIMD variant),
+// and the dispatch of gemm and gemm_f32 to the file's gemm_typed and
+// gemm_f32_typed. Internal linkage throughout, as kernels_common.h.
+#pragma once
+
+#include <immintrin.h>
+
+#include "backends/cpu/gemm/kernels_common.h"
+
+namespace pagedserve {
+namespace cpu {
+namespace {
+
+// The scalar variant's steps, lane-wise, hence bit-identical to it: amax is the
+// max of the non-NaN |v| (max_ps(a, b) is a > b ? a : b, so a NaN |v| never
+// replaces the running value, as in the scalar loop; the max of non-NaN values
+// does not depend on the order); d, id and xs are the same scalar expressions;
+// per element the same multiply, NaN -> 0, clamp (min then max: no NaN is left),
+// + (2^23 + 2^22) - (2^23 + 2^22) and truncation; the integer sum is exact in any
+// order.
+
+template <bool kBf16>
+void quantize_rows_simd(const void* x, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq, float* xd,
+                        int32_t* xsum128, float* xs) {
+  constexpr int kVecs = kQBlock / kLanes;
+  constexpr int64_t kElem = kBf16 ? 2 : 4;  // bytes per input element
+  const int64_t nb = k / kQBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    for (int64_t b = 0; b < nb; ++b) {
+      const char* src = static_cast<const char*>(x) + (r * k + b * kQBlock) * kElem;
+      VecF v[kVecs];
+      VecF mx = set1f(0.f);
+      for (int i = 0; i < kVecs; ++i) {
+        v[i] = load_lanes<kBf16>(src + i * kLanes * kElem);
+        mx = abs_max(v[i], mx);
+      }
+      const float amax = hmax(mx);
+      const float d = amax / 127.f;
+      const float id = d != 0.f ? 1.f / d : 0.f;
+      const VecF idv = set1f(id), magic = set1f(12582912.f);
+      VecI qi[kVecs];
+      for (int i = 0; i < kVecs; ++i) {
+        VecF t = nan_to_zero(mulf(v[i], idv));
+        t = maxf(minf(t, set1f(127.f)), set1f(-127.f));
+        qi[i] = trunc_i32(subf(addf(t, magic), magic));
+      }
+      const int32_t sum = store_q(xq + (b * m + r) * kQBlock, qi);
+      store_block_scales(b * m + r, d, sum, xd, xsum128, xs);
+    }
+  }
+}
+
+void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0, int64_t r1, int8_t* xq,
+                   float* xd, int32_t* xsum128, float* xs) {
+  if (dtype == DType::kFloat32) {
+    quantize_rows_simd<false>(x, k, m, r0, r1, xq, xd, xsum128, xs);
+  } else {
+    quantize_rows_simd<true>(x, k, m, r0, r1, xq, xd, xsum128, xs);
+  }
+}
+
+// ---- the integer GEMM of the decoded tiles (u4f, u5f, i8f): every SIMD variant ----
+//
+// 8 output rows per ymm (half a row group), up to 4 activation rows a pass,
+// in AVX2 instructions only (the AVX2 variant's vpmaddubsw + vpmaddwd forms),
+// so the VNNI variants run the very sequence the AVX2 variant runs (and its
+// tests check on any AVX2 CPU); a vpdpbusd form for them is left for later.
+//   u4f / u5f: unsigned quants (0..15 / 0..31; the high bit of element e is
+//     bit e of the row's qh word, spread to bit 4 of its byte by a multiply),
+//     four vpmaddubsw per i16 partial sum (each at most 2 * 31 * 127, four
+//     below 32767), then per block, d and m float32:
+//       acc = fma(isum, d * xd, acc); acc = fma(m, xs, acc)
+//   i8f: signed quants as the AVX2 Q8_0 form (|q| times sign(xq, q)), one
+//     integer sum per 16 elements (a scale each):
+//       acc = fma(isum_lo, d_lo * xd, acc); acc = fma(isum_hi, d_hi * xd, acc)
+//     (its minima are zero: QuantizedWeight::linear refuses an i8f weight
+//     whose minima are not).
+
+constexpr int kDecodedRowsPerPass = 4;
+
+// The activation dword at p in every lane (the 256-bit integer kernels' operand: these and the decoded tiles').
+inline __m256i bcast_dword(const int8_t* p) {
+  int32_t v;
+  memcpy(&v, p, sizeof v);
+  return _mm256_set1_epi32(v);
+}
+
+// Per dword lane: bit 4 of byte b = bit b of the lane's low 4 bits (v * 0x00204081 places copies of those 4
+// bits at bits 0, 7, 14 and 21 without overlap; bit 8 b of the product is bit b of v).
+inline __m256i high_bits_to_bytes(__m256i v) {
+  const __m256i low4 = _mm256_and_si256(v, _mm256_set1_epi32(0x0F));
+  const __m256i spread = _mm256_mullo_epi32(low4, _mm256_set1_epi32(0x00204081));
+  return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(0x01010101)), 4);
+}
+
+// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7.
+template <TileFormat Q, int R>
+void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
+  constexpr int64_t kTile = tile_bytes(Q);
+  const int64_t nb = a.k / kQBlock, m = a.m;
+  const uint8_t* t = a.w + g * nb * kTile;
+  const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block; row i at + 32 i
+  const float* xd = a.x.xd + r;             // then + m per block (xs alike)
+  const float* xs = a.x.xs + r;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m) {
+    if constexpr (Q == TileFormat::kI8F) {
+      __m256i s[2][R];
+      for (int i = 0; i < R; ++i) s[0][i] = s[1][i] = _mm256_setzero_si256();
+      for (int c = 0; c < 8; ++c) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI8FQuants + 64 * c + 32 * h));
+        const __m256i aw = _mm256_sign_epi8(w, w);  // |q| (-128 -> 128 as u8)
+        for (int i = 0; i < R; ++i) {
+          const __m256i sx = _mm256_sign_epi8(bcast_dword(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
+          s[c >> 2][i] = _mm256_add_epi32(s[c >> 2][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+        }
+      }
+      for (int half = 0; half < 2; ++half) {  // d[half][16] at 0: row j's at 4 (16 half + j)
+        const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * half + 8 * h);
+        for (int i = 0; i < R; ++i) {
+          acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[half][i]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[i])), acc[i]);
+        }
+      }
+    } else {
+      const __m256i low = _mm256_set1_epi8(0x0F);
+      __m256i qh = _mm256_setzero_si256();
+      if constexpr (five_bit<Q>()) qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FHigh + 32 * h));
+      __m256i s[R], p16[R];
+      for (int half = 0; half < 2; ++half) {  // elements 16 half + 4 p + b: the low (0) or high (1) nibbles
+        for (int p = 0; p < 4; ++p) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FNibbles + 64 * p + 32 * h));
+          __m256i w = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), low);
+          if constexpr (five_bit<Q>()) w = _mm256_or_si256(w, high_bits_to_bytes(_mm256_srli_epi32(qh, 16 * half + 4 * p)));
+          for (int i = 0; i < R; ++i) {
+            const __m256i v = _mm256_maddubs_epi16(w, bcast_dword(xq + kQBlock * i + 16 * half + 4 * p));
+            p16[i] = p == 0 ? v : _mm256_add_epi16(p16[i], v);
+          }
+        }
+        for (int i = 0; i < R; ++i) {
+          const __m256i v = _mm256_madd_epi16(p16[i], ones);
+          s[i] = half == 0 ? v : _mm256_add_epi32(s[i], v);
+        }
+      }
+      const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);       // float d[16] at 0
+      const __m256 mv = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);  // float m[16] at 64
+      for (int i = 0; i < R; ++i) {
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[i])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i]), acc[i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    alignas(32) float buf[8];
+    _mm256_store_ps(buf, acc[i]);
+    write_out(a, r + i, g * kQRows + 8 * h, 8, buf);
+  }
+}
+
+template <TileFormat Q>
+void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    for (int h = 0; h < 2; ++h) {
+      if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
+      int64_t r = m0;
+      for (; r + kDecodedRowsPerPass <= m1; r += kDecodedRowsPerPass) pass_decoded<Q, kDecodedRowsPerPass>(a, g, h, r);
+      switch (m1 - r) {
+        case 3: pass_decoded<Q, 3>(a, g, h, r); break;
+        case 2: pass_decoded<Q, 2>(a, g, h, r); break;
+        case 1: pass_decoded<Q, 1>(a, g, h, r); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// The SIMD variants' gemm for the decoded tiles; false for q4_1 / q8_0 (the variant's own kernels).
+inline bool gemm_of_decoded_tiles(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  switch (a.format) {
+    case TileFormat::kU4F: gemm_decoded<TileFormat::kU4F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kU5F: gemm_decoded<TileFormat::kU5F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kI8F: gemm_decoded<TileFormat::kI8F>(a, g0, g1, m0, m1); return true;
+    default: return false;
+  }
+}
+
+// The file's kernels for one tile format (defined after this header is included).
+template <TileFormat Q>
+void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+template <TileFormat Q>
+void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
+
+void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if (gemm_of_decoded_tiles(a, g0, g1, m0, m1)) return;
+  if (a.format == TileFormat::kQ4_1) {
+    gemm_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1);
+  } else {
+    gemm_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1);
+  }
+}
+
+// Both SIMD levels: their gemm_f32_typed per block type.
+void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
+  switch (a.format) {
+    case TileFormat::kQ4_1: gemm_f32_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kQ8_0: gemm_f32_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kU4F: gemm_f32_typed<TileFormat::kU4F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kI8F: gemm_f32_typed<TileFormat::kI8F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kF32: gemm_f32_typed<TileFormat::kF32>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kF16: gemm_f32_typed<TileFormat::kF16>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kBF16: gemm_f32_typed<TileFormat::kBF16>(a, g0, g1, m0, m1, scratch); break;
+  }
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace pagedserve
