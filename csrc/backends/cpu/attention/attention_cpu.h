@@ -67,6 +67,7 @@ class AttentionPlan {
   ~AttentionPlan();
 
   const AttentionGeometry& geometry() const { return g_; }
+  // The registry variant the plan runs (runtime/isa_registry.h: e.g. avx512_vnni, whose attention table is avx512's).
   const char* isa() const { return isa_->name; }
   int64_t num_work_items() const { return static_cast<int64_t>(items_.size()); }
   int64_t num_split_groups() const { return static_cast<int64_t>(split_groups_.size()); }

@@ -67,8 +67,12 @@ constexpr int kF16TileBytes = 1024; // 16 rows x 32 half or bfloat16 (f16 and bf
 // the other quantised types; f32, f16 and bf16 unquantised weights (gemm_f32 only).
 enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F, kF32, kF16, kBF16 };
 
-// Bytes of one tile of format f (the layouts above). Constant-evaluated in
-// the per-ISA kernel objects (no symbol of it is emitted there).
+// These two have internal linkage (an unnamed namespace), so even a run-time
+// call from a per-ISA kernel object emits no weak symbol another object's
+// caller could bind to.
+namespace {
+
+// Bytes of one tile of format f (the layouts above).
 constexpr int tile_bytes(TileFormat f) {
   return f == TileFormat::kQ4_1 ? kQ41TileBytes : f == TileFormat::kQ8_0 ? kQ80TileBytes
          : f == TileFormat::kI8F ? kI8FTileBytes : f == TileFormat::kU4F ? kU4FTileBytes
@@ -80,6 +84,8 @@ constexpr int tile_bytes(TileFormat f) {
 constexpr bool dense_format(TileFormat f) {
   return f == TileFormat::kF32 || f == TileFormat::kF16 || f == TileFormat::kBF16;
 }
+
+}  // namespace
 
 // Activations quantised per row in groups of 32 (llama.cpp's Q8_1 idea), stored
 // group-major so that a pass over consecutive rows reads one contiguous run per

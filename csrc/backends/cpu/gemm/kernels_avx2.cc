@@ -17,6 +17,12 @@
 
 #include "backends/cpu/gemm/kernels_common.h"
 
+#if !defined(PAGEDSERVE_GEMM_AVX_VNNI)
+#error "PAGEDSERVE_GEMM_AVX_VNNI must be 0 (the avx2 build) or 1 (avx_vnni)"
+#elif PAGEDSERVE_GEMM_AVX_VNNI && !defined(__AVXVNNI__)
+#error "the avx_vnni build needs -mavxvnni"
+#endif
+
 namespace pagedserve {
 namespace cpu {
 namespace {
@@ -105,8 +111,8 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
   }
 }
 
-// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7; pf as in the
-// AVX-512 pass.
+// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7; pf as in
+// kernels_avx512.cc's pass.
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -188,7 +194,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
   for (int i = 0; i < R; ++i) store_row(a, r + i, g * kQRows + 8 * h, acc[i]);
 }
 
-// The first pass over a group prefetches the next one (as in the AVX-512 gemm).
+// The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_typed does).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   constexpr int64_t kTile = tile_bytes(Q);

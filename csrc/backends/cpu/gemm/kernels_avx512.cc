@@ -21,6 +21,11 @@
 
 #include "backends/cpu/gemm/kernels_common.h"
 
+#if !defined(__AVX512VNNI__)
+// vpdpbusd is written as inline assembly (dpbusd_bcst), which no target check covers
+#error "kernels_avx512.cc needs -mavx512vnni"
+#endif
+
 namespace pagedserve {
 namespace cpu {
 namespace {
@@ -191,7 +196,6 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
     }
   }
 }
-
 
 // ---- exact float32 GEMM, AVX-512: 16 rows per zmm, G row groups x R activation rows ----
 //

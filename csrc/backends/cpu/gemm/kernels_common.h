@@ -36,7 +36,6 @@ namespace pagedserve {
 namespace cpu {
 namespace {
 
-
 inline int64_t imin(int64_t a, int64_t b) { return a < b ? a : b; }
 
 inline uint16_t load_u16(const void* p) {
@@ -55,7 +54,6 @@ inline void store_block_scales(int64_t i, float d, int32_t sum, float* xd, int32
   xsum128[i] = -128 * sum;
   xs[i] = d * static_cast<float>(sum);
 }
-
 
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(width, N - c0).
 inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, const float* acc) {

@@ -205,7 +205,7 @@ void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1
   }
 }
 
-// Both SIMD levels: their gemm_f32_typed per block type.
+// The exact float32 GEMM: the file's gemm_f32_typed per tile format.
 void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   switch (a.format) {
     case TileFormat::kQ4_1: gemm_f32_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1, scratch); break;

@@ -9,14 +9,12 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <new>
 #include <string>
 #include <thread>
 
 #include "core/errors.h"
 #include "backends/cpu/runtime/huge_pages.h"
-#include "backends/cpu/runtime/cpu_features.h"
 #include "backends/cpu/runtime/isa_registry.h"
 #include "backends/cpu/runtime/cpu_relax.h"
 #include "backends/cpu/ops/fused_ops.h"  // for_rows

@@ -140,7 +140,6 @@ HeadLayout check_heads(const TensorArg& t, int64_t rows, int64_t head_size) {
 
 }  // namespace
 
-
 void rms_norm(const TensorArg& out, const TensorArg& x, const TensorArg& weight, float eps, int num_threads) {
   check_threads(num_threads);
   check_float_dtype(x);

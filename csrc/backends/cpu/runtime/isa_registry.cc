@@ -33,8 +33,8 @@ const IsaVariant& checked(const std::string& name, const char* source) {
   return *v;
 }
 
-inline bool v3() { return cpu_features().x86_64_v3(); }
-inline bool v4() { return cpu_features().x86_64_v4(); }
+[[maybe_unused]] inline bool v3() { return cpu_features().x86_64_v3(); }
+[[maybe_unused]] inline bool v4() { return cpu_features().x86_64_v4(); }
 
 #if defined(PAGEDSERVE_HAVE_ISA_NATIVE)
 // The native build's GEMM: the best compiled GEMM table this CPU executes.
