@@ -8,6 +8,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <type_traits>
 
@@ -368,10 +370,59 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
       .def_property_readonly("mean_output_tokens", &Scheduler::mean_output_tokens)
       .def("output_token_ids", &Scheduler::output_token_ids, py::arg("request_id"), py::arg("index") = 0)
+      .def_property("record_kv_events", &Scheduler::record_kv_events, &Scheduler::set_record_kv_events,
+                    "Whether the KV cache records KVCacheEvents (off by default).")
+      .def("take_kv_events", &Scheduler::take_kv_events,
+           "The KVCacheEvents recorded since the last call, in order (the list is cleared).")
       .def_property_readonly("kv_cache_manager", &Scheduler::kv_cache_manager,
                              py::return_value_policy::reference_internal)
       .def_property_readonly("config", &Scheduler::config)
       .def("block_owners", &Scheduler::block_owners);
+
+  const auto hash_bytes = [](const BlockHash& h) {
+    return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
+  };
+  py::class_<KVCacheEvent>(m, "KVCacheEvent",
+                           "One KV-cache event (csrc/core/kv_events.h; vLLM's schema, docs/kv-events.md).")
+      .def_property_readonly("type", [](const KVCacheEvent& e) { return std::string(kv_event_type_str(e.type)); },
+                             "'BlockStored', 'BlockRemoved' or 'AllBlocksCleared'.")
+      .def_property_readonly(
+          "block_hashes",
+          [hash_bytes](const KVCacheEvent& e) {
+            py::list out;
+            for (const BlockHash& h : e.block_hashes) out.append(hash_bytes(h));
+            return out;
+          },
+          "The blocks' chained SHA-256 hashes (32 bytes each, hash_block's value), in chain order.")
+      .def_property_readonly(
+          "parent_block_hash",
+          [hash_bytes](const KVCacheEvent& e) -> py::object {
+            if (!e.has_parent) return py::none();
+            return hash_bytes(e.parent_block_hash);
+          },
+          "BlockStored: the hash of the block before the first one (None for a prompt's first block).")
+      .def_readonly("token_ids", &KVCacheEvent::token_ids, "BlockStored: block_size tokens per block, in order.")
+      .def_readonly("block_size", &KVCacheEvent::block_size, "BlockStored: tokens per block (0 otherwise).");
+
+  m.def(
+      "hash_block",
+      [hash_bytes](const std::optional<std::string>& parent, const std::vector<int32_t>& token_ids,
+                   const std::string& extra_key) {
+        BlockHash p{};
+        if (parent) {
+          if (parent->size() != p.size()) {
+            throw InvalidArgumentError("hash_block: parent must be 32 bytes, got " + std::to_string(parent->size()));
+          }
+          std::copy(parent->begin(), parent->end(), p.begin());
+        }
+        return hash_bytes(PrefixCache::hash_block(parent ? &p : nullptr, token_ids.data(),
+                                                  static_cast<int32_t>(token_ids.size()), extra_key));
+      },
+      py::arg("parent"), py::arg("token_ids"), py::arg("extra_key") = "",
+      "The prefix cache's hash of one full block, 32 bytes: SHA-256 of one byte (1 with a parent, 0 without), the "
+      "parent's 32 bytes if any, each token id as 4 bytes little endian (int32), extra_key's length as 8 bytes "
+      "little endian and its bytes (the request's cache_salt, UTF-8). A prompt's block i "
+      "chains from block i-1 (parent None for the first). Raises InvalidArgumentError.");
 
   py::class_<BlockOwner>(m, "BlockOwner")
       .def_readonly("request_id", &BlockOwner::request_id)

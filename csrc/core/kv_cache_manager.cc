@@ -15,7 +15,17 @@ KVCacheManager::KVCacheManager(int32_t num_blocks, int32_t block_size, bool enab
   if (block_size <= 0) {
     throw BlockPoolError("block_size must be > 0, got " + std::to_string(block_size));
   }
-  pool_.set_evict_callback([this](int32_t block) { prefix_cache_.erase_block(block); });
+  pool_.set_evict_callback([this](int32_t block) {
+    const BlockHash* h = record_events_ ? prefix_cache_.hash_of(block) : nullptr;
+    if (h != nullptr) {
+      if (events_.empty() || events_.back().type != KVEventType::kBlockRemoved) {
+        events_.emplace_back();
+        events_.back().type = KVEventType::kBlockRemoved;
+      }
+      events_.back().block_hashes.push_back(*h);
+    }
+    prefix_cache_.erase_block(block);
+  });
 }
 
 KVBlockMap KVCacheManager::block_map() const {
@@ -187,6 +197,7 @@ void KVCacheManager::cache_full_blocks(int64_t seq_id, const std::vector<int32_t
   if (it == tables_.end()) return;
   Entry& e = it->second;
   const int32_t full = std::min<int32_t>(num_computed_tokens, static_cast<int32_t>(tokens.size())) / block_size_;
+  KVCacheEvent* run = nullptr;  // the BlockStored event of the current run of newly cached blocks
   for (int32_t i = static_cast<int32_t>(e.hashes.size()); i < full; ++i) {
     const int32_t* blk = tokens.data() + static_cast<ptrdiff_t>(i) * block_size_;
     const BlockHash* parent = e.hashes.empty() ? nullptr : &e.hashes.back();
@@ -194,9 +205,31 @@ void KVCacheManager::cache_full_blocks(int64_t seq_id, const std::vector<int32_t
     const int32_t block = e.table.block_ids()[i];
     // If another sequence already cached this content, the hash stays with its
     // block and ours stays private (freed normally).
-    if (prefix_cache_.insert(block, h, parent, blk, block_size_, e.cache_salt)) pool_.mark_cached(block);
+    if (prefix_cache_.insert(block, h, parent, blk, block_size_, e.cache_salt)) {
+      pool_.mark_cached(block);
+      if (record_events_) {
+        if (run == nullptr) {
+          events_.emplace_back();
+          run = &events_.back();
+          run->type = KVEventType::kBlockStored;
+          run->block_size = block_size_;
+          run->has_parent = parent != nullptr;
+          if (parent != nullptr) run->parent_block_hash = *parent;
+        }
+        run->block_hashes.push_back(h);
+        run->token_ids.insert(run->token_ids.end(), blk, blk + block_size_);
+      }
+    } else {
+      run = nullptr;
+    }
     e.hashes.push_back(h);
   }
+}
+
+std::vector<KVCacheEvent> KVCacheManager::take_events() {
+  std::vector<KVCacheEvent> out;
+  out.swap(events_);
+  return out;
 }
 
 bool KVCacheManager::free(int64_t seq_id) {

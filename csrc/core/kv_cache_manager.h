@@ -19,6 +19,7 @@
 
 #include "block_pool.h"
 #include "block_table.h"
+#include "kv_events.h"
 #include "prefix_cache.h"
 
 namespace pagedserve {
@@ -124,6 +125,13 @@ class KVCacheManager {
   KVBlockMap block_map() const;
   PrefixCache& prefix_cache() { return prefix_cache_; }
 
+  // KV-cache events (kv_events.h): off by default. While on, every block that
+  // enters the prefix cache and every cached block the pool evicts is recorded
+  // until take_events() hands the list over (and clears it).
+  void set_record_events(bool on) { record_events_ = on; }
+  bool record_events() const { return record_events_; }
+  std::vector<KVCacheEvent> take_events();
+
  private:
   struct Entry {
     BlockTable table;
@@ -142,6 +150,8 @@ class KVCacheManager {
   std::unordered_map<int64_t, Entry> tables_;
   std::vector<std::pair<int32_t, int32_t>> pending_copies_;
   int64_t num_cow_copies_ = 0;
+  bool record_events_ = false;
+  std::vector<KVCacheEvent> events_;
 };
 
 }  // namespace pagedserve

@@ -21,8 +21,10 @@ BlockHash PrefixCache::hash_block(const BlockHash* parent, const int32_t* tokens
     for (int k = 0; k < 4; ++k) bytes[i * 4 + k] = static_cast<uint8_t>(t >> (8 * k));
   }
   h.update(bytes.data(), bytes.size());
-  const uint64_t extra_len = extra_key.size();
-  h.update(&extra_len, sizeof extra_len);
+  // the extra key's length as little-endian uint64, then its bytes
+  uint8_t extra_len[8];
+  for (int k = 0; k < 8; ++k) extra_len[k] = static_cast<uint8_t>(static_cast<uint64_t>(extra_key.size()) >> (8 * k));
+  h.update(extra_len, sizeof extra_len);
   h.update(extra_key.data(), extra_key.size());
   return h.digest();
 }
@@ -49,6 +51,12 @@ bool PrefixCache::insert(int32_t block_id, const BlockHash& hash, const BlockHas
   entries_[block_id] = std::move(e);
   map_.emplace(hash, block_id);
   return true;
+}
+
+const BlockHash* PrefixCache::hash_of(int32_t block_id) const {
+  check_block(block_id);
+  const auto& e = entries_[block_id];
+  return e ? &e->hash : nullptr;
 }
 
 void PrefixCache::erase_block(int32_t block_id) {

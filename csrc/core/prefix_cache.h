@@ -1,6 +1,8 @@
 // PrefixCache: content-addressed full KV blocks (vLLM's automatic prefix
 // caching; SGLang's RadixAttention shares the idea). A full block's hash is
-//   SHA-256(parent block's hash || the block's token ids (int32, little endian) || extra key)
+//   SHA-256(has_parent (1 byte) || parent block's hash (32 bytes, when it has one)
+//           || the block's token ids (int32, little endian)
+//           || the extra key's length (uint64, little endian) || the extra key)
 // chained from the first block, so equal hashes mean equal prefixes; the extra
 // key carries the request's cache_salt so differently salted requests never
 // share blocks. A hit is only served after comparing the stored parent hash,
@@ -57,6 +59,8 @@ class PrefixCache {
   // Forgets block_id's hash (eviction). No-op if it has none.
   void erase_block(int32_t block_id);
   bool is_cached(int32_t block_id) const;
+  // block_id's hash, or nullptr when it holds none (valid until the next insert or erase).
+  const BlockHash* hash_of(int32_t block_id) const;
   // The first 8 bytes of block_id's hash as a big-endian integer, 0 when it holds none.
   uint64_t hash_prefix(int32_t block_id) const;
   size_t size() const { return map_.size(); }

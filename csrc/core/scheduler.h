@@ -157,6 +157,11 @@ class Scheduler {
   // Output token ids so far of choice `index` (not its unverified drafts). Throws UnknownRequestError.
   std::vector<int32_t> output_token_ids(const std::string& request_id, int32_t index = 0) const;
   const KVCacheManager& kv_cache_manager() const { return kv_; }
+  // KV-cache events (kv_events.h; KVCacheManager::set_record_events): off by default.
+  void set_record_kv_events(bool on) { kv_.set_record_events(on); }
+  bool record_kv_events() const { return kv_.record_events(); }
+  // The events recorded since the last call (in order), handed over and cleared.
+  std::vector<KVCacheEvent> take_kv_events() { return kv_.take_events(); }
   const SchedulerConfig& config() const { return config_; }
   // Every sequence that holds KV blocks (running ones, in queue order), with
   // its block table: with KVCacheManager::block_map, who owns each block.

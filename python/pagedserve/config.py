@@ -155,6 +155,14 @@ class EngineArgs:
         "write every call into the scheduler and each step's decision (SchedulerOutput) and time to this file as "
         "JSON lines; `pagedserve replay FILE` re-runs it through the C++ scheduler without the model and checks "
         "every decision is reproduced", metavar="PATH"))
+    kv_events_endpoint: str | None = field(default=None, metadata=_arg(
+        "publish KV-cache events (vLLM's schema: BlockStored when full blocks enter the prefix cache, BlockRemoved "
+        "on eviction, AllBlocksCleared at start; msgpack over a ZeroMQ PUB socket bound here, e.g. "
+        "tcp://127.0.0.1:5557) for prefix-aware routers; docs/kv-events.md", metavar="ENDPOINT"))
+    kv_events_replay_endpoint: str | None = field(default=None, metadata=_arg(
+        "with --kv-events-endpoint: a ZeroMQ ROUTER socket bound here replays the last 10,000 event batches from "
+        "a requested sequence number (a subscriber that missed some), e.g. tcp://127.0.0.1:5558",
+        metavar="ENDPOINT"))
     embedding_pooling: str = field(default="last", metadata=_arg(
         "how /v1/embeddings (and LLM.embed) pool the model's final hidden states into one unit vector: last = the "
         "prompt's last token (a prefix-cache hit skips the rest), mean = the mean over every prompt token (computes "
@@ -200,6 +208,8 @@ class EngineArgs:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max <= 64:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max <= 64, got "
                              f"{self.prompt_lookup_min}, {self.prompt_lookup_max}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint (the events it replays)")
         if not 0 <= self.request_timelines <= 2**20:
             raise ValueError(f"request_timelines must be in [0, {2**20}], got {self.request_timelines}")
         for name, lo in (("max_model_len", 2), ("num_kv_blocks", 1), ("max_num_seqs", 1),

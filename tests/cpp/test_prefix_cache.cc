@@ -1,6 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
+#include <string>
 
 #include "core/errors.h"
 #include "core/kv_cache_manager.h"
@@ -255,4 +257,67 @@ TEST(SchedulerFork, ParallelSamplingForksAtTheFirstSampleAndCopiesOnWrite) {
   EXPECT_TRUE(s.abort("r"));
   EXPECT_FALSE(s.has_unfinished_requests());
   EXPECT_EQ(s.kv_cache_manager().num_free_blocks(), s.kv_cache_manager().num_blocks());
+}
+
+// The block hash's bytes are pinned: this value is what any router computing
+// PagedServe's hashes itself must get (tests/python/test_kv_events.py checks
+// the same value through hashlib and _core.hash_block).
+TEST(PrefixCache, BlockHashMatchesThePinnedReferenceValue) {
+  const auto hex = [](const BlockHash& h) {
+    static const char* d = "0123456789abcdef";
+    std::string s;
+    for (uint8_t b : h) s += std::string{d[b >> 4], d[b & 15]};
+    return s;
+  };
+  const std::vector<int32_t> first = tokens(16, 0), second = tokens(16, 16);
+  const BlockHash a = PrefixCache::hash_block(nullptr, first.data(), 16, "");
+  EXPECT_EQ(hex(a), "5d553336f3c34e3bca69563207eca2b59250b964d8840a2c19adcf0392ead861");
+  const BlockHash b = PrefixCache::hash_block(&a, second.data(), 16, "tenant-a");
+  EXPECT_EQ(hex(b), "c90880cbb1459630967077500707b3ba9bfb1d852ea4c086771a9f5f512849b2");
+}
+
+TEST(KVCacheEvents, StoredForNewlyCachedBlocksRemovedOnEvictionNothingWhenOff) {
+  KVCacheManager kv(4, 16, true);
+  auto a = tokens(40, 100), b = tokens(33, 100);  // b shares a's first two blocks
+  kv.allocate(1, 40);
+  kv.cache_full_blocks(1, a, 40);
+  EXPECT_TRUE(kv.take_events().empty());  // recording is off by default
+  kv.free(1);
+  KVCacheManager rec(4, 16, true);
+  rec.set_record_events(true);
+  rec.allocate(1, 40);
+  rec.cache_full_blocks(1, a, 20);  // one full block computed so far
+  rec.cache_full_blocks(1, a, 40);  // the second
+  std::vector<KVCacheEvent> ev = rec.take_events();
+  ASSERT_EQ(ev.size(), 2u);
+  const BlockHash h0 = PrefixCache::hash_block(nullptr, a.data(), 16, "");
+  const BlockHash h1 = PrefixCache::hash_block(&h0, a.data() + 16, 16, "");
+  EXPECT_EQ(ev[0].type, KVEventType::kBlockStored);
+  EXPECT_EQ(ev[0].block_hashes, std::vector<BlockHash>{h0});
+  EXPECT_FALSE(ev[0].has_parent);
+  EXPECT_EQ(ev[0].token_ids, std::vector<int32_t>(a.begin(), a.begin() + 16));
+  EXPECT_EQ(ev[0].block_size, 16);
+  EXPECT_EQ(ev[1].block_hashes, std::vector<BlockHash>{h1});
+  EXPECT_TRUE(ev[1].has_parent);
+  EXPECT_EQ(ev[1].parent_block_hash, h0);
+  EXPECT_EQ(ev[1].token_ids, std::vector<int32_t>(a.begin() + 16, a.begin() + 32));
+  EXPECT_TRUE(rec.take_events().empty());  // taken: cleared
+  // b's first two blocks are already cached (a hit, or a duplicate insert): no event for them
+  auto mb = rec.match_prefix(b, "");
+  rec.allocate(2, 33, mb);
+  rec.cache_full_blocks(2, b, 33);
+  EXPECT_TRUE(rec.take_events().empty());
+  rec.free(1);
+  rec.free(2);
+  // 4 blocks needed: the two cached ones (h1 freed first... either order) are evicted, in one event
+  rec.allocate(3, 64);
+  ev = rec.take_events();
+  ASSERT_EQ(ev.size(), 1u);
+  EXPECT_EQ(ev[0].type, KVEventType::kBlockRemoved);
+  std::vector<BlockHash> removed = ev[0].block_hashes;
+  std::sort(removed.begin(), removed.end());
+  std::vector<BlockHash> want{h0, h1};
+  std::sort(want.begin(), want.end());
+  EXPECT_EQ(removed, want);
+  EXPECT_EQ(std::string(kv_event_type_str(KVEventType::kAllBlocksCleared)), "AllBlocksCleared");
 }

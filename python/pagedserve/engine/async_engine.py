@@ -104,10 +104,13 @@ class AsyncLLMEngine:
         self._send(("abort_all", None))
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        """Stops the engine thread; waiting streams get a RuntimeError."""
+        """Stops the engine thread (waiting streams get a RuntimeError) and
+        closes the KV-event sockets (--kv-events-endpoint)."""
         self._stopped = True
         self._wakeup.set()
         self._thread.join(timeout)
+        if self.engine.kv_events is not None and not self._thread.is_alive():
+            self.engine.kv_events.close()
 
     def _send(self, msg) -> None:
         self._inbox.put(msg)

@@ -83,6 +83,7 @@ class LLMEngine:
         self.backend, self.kv_cache, self.scheduler, self.runner = p.backend, p.kv_cache, p.scheduler, p.runner
         self.eos_token_ids, self.spec_decoder, self.reasoning_parser = p.eos_token_ids, p.spec_decoder, \
             p.reasoning_parser
+        self.kv_events = p.kv_events  # KVEventPublisher (--kv-events-endpoint) or None
         self.requests: dict[str, Request] = {}
         self.timelines = Timelines(args.request_timelines)
         self.num_steps = 0  # engine steps that ran (the timelines' step numbers)
@@ -279,6 +280,8 @@ class LLMEngine:
     def _end_step(self, updates, num_kept_drafts: int) -> list[RequestOutput | PoolingRequestOutput]:
         """Applies Scheduler.update's results (cached tokens, the finish reasons
         it decided) and makes the step's outputs."""
+        if self.kv_events is not None:  # what this step's schedule() evicted and update() cached
+            self.kv_events.publish(self.scheduler.take_kv_events())
         touched: dict[str, Request] = {}
         num_generated = num_kept_drafts
         for upd in updates:

@@ -56,6 +56,7 @@ class EngineParts:
         scheduler: pagedserve._core.Scheduler (TracingScheduler under --trace-steps).
         runner: the ModelRunner; eos_token_ids: the model's EOS ids (sorted).
         spec_decoder: the SpeculativeDecoder, or None; reasoning_parser: the reasoning parser, or None.
+        kv_events: the KVEventPublisher of --kv-events-endpoint, or None.
     """
 
 
@@ -144,6 +145,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
                               args.enable_prefix_caching, args.scheduling_policy, args.watermark,
                               args.high_watermark),
         num_blocks, block_size)
+    parts.scheduler.record_kv_events = args.kv_events_endpoint is not None
     if args.trace_steps is not None:  # every call into the scheduler, for `pagedserve replay`
         from .step_trace import TracingScheduler
 
@@ -193,4 +195,13 @@ def build_engine(args: EngineArgs) -> EngineParts:
                            f"serve it") from e
     refuse_what_the_check_saw(name, check, features, hf.num_hidden_layers)
     release_free_memory()  # what loading and preparing the model freed goes back to the OS
+    parts.kv_events = None
+    if args.kv_events_endpoint is not None:  # last: a start-up that fails above binds no socket
+        from .kv_events import KVEventPublisher
+
+        parts.kv_events = KVEventPublisher(args.kv_events_endpoint, args.kv_events_replay_endpoint)
+        parts.kv_events.publish_cleared()
+        logger.info("KV-cache events: published on %s%s (vLLM's schema, docs/kv-events.md)",
+                    parts.kv_events.endpoint,
+                    f", replay on {parts.kv_events.replay_endpoint}" if parts.kv_events.replay_endpoint else "")
     return parts
