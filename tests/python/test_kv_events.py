@@ -111,6 +111,21 @@ def test_a_subscriber_sees_stored_and_removed_blocks_and_replays_what_it_missed(
         pub.close()
 
 
+def test_an_endpoint_that_cannot_be_bound_is_a_value_error_naming_the_flag():
+    from pagedserve.engine.kv_events import KVEventPublisher
+
+    first = KVEventPublisher("tcp://127.0.0.1:0")
+    try:
+        with pytest.raises(ValueError, match="--kv-events-endpoint"):
+            KVEventPublisher(first.endpoint)  # in use
+        with pytest.raises(ValueError, match="--kv-events-replay-endpoint"):
+            KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=first.endpoint)
+        with pytest.raises(ValueError, match="--kv-events-endpoint"):
+            KVEventPublisher("not-an-endpoint")
+    finally:
+        first.close()
+
+
 def test_the_replay_endpoint_needs_the_events_endpoint():
     from pagedserve.config import EngineArgs
 

@@ -57,7 +57,7 @@ class KVEventPublisher:
     replays of the last ``buffer_batches`` batches on a ROUTER socket (a
     background thread). Sequence numbers count batches from 0, gapless.
 
-    Raises zmq.ZMQError when an endpoint cannot be bound (e.g. in use)."""
+    Raises ValueError when an endpoint cannot be bound (in use, malformed)."""
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_batches: int = 10_000) -> None:
@@ -66,9 +66,7 @@ class KVEventPublisher:
 
         self._packb = msgpack.packb
         self._ctx = zmq.Context()
-        self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
+        self._pub = self._bind(zmq.PUB, endpoint, "--kv-events-endpoint")
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # tcp://127.0.0.1:0 resolved
         self._topic = topic.encode()
         self._seq = 0
@@ -78,13 +76,32 @@ class KVEventPublisher:
         self._thread = None
         self.replay_endpoint = None
         if replay_endpoint is not None:
-            replay = self._ctx.socket(zmq.ROUTER)
-            replay.setsockopt(zmq.LINGER, 0)
-            replay.bind(replay_endpoint)
+            try:
+                replay = self._bind(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint")
+            except ValueError:
+                self._pub.close(0)
+                self._ctx.term()
+                raise
             self.replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._thread = threading.Thread(target=self._serve_replay, args=(replay,), name="kv-events-replay",
                                             daemon=True)
             self._thread.start()
+
+    def _bind(self, kind: int, endpoint: str, flag: str):
+        """A socket of `kind` bound at endpoint; ValueError naming the flag when
+        it cannot be (an endpoint in use, a malformed one)."""
+        import zmq
+
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.bind(endpoint)
+        except zmq.ZMQError as e:
+            sock.close(0)
+            if kind == zmq.PUB:
+                self._ctx.term()
+            raise ValueError(f"{flag} {endpoint!r}: cannot bind there ({e})") from e
+        return sock
 
     @property
     def next_seq(self) -> int:
