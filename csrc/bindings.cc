@@ -195,6 +195,17 @@ PYBIND11_MODULE(_core, m) {
       .def("fork", &KVCacheManager::fork, py::arg("parent_seq_id"), py::arg("child_seq_id"))
       .def("take_pending_copies", &KVCacheManager::take_pending_copies)
       .def_property_readonly("num_cow_copies", &KVCacheManager::num_cow_copies)
+      .def(
+          "cached_block_hashes",
+          [](const KVCacheManager& kv) {
+            py::list out;
+            for (const BlockHash& h : kv.cached_block_hashes()) {
+              out.append(py::bytes(reinterpret_cast<const char*>(h.data()), h.size()));
+            }
+            return out;
+          },
+          "The 32-byte hashes (hash_block's) of every block the prefix cache holds, in use or evictable, "
+          "unordered: what a replica reports to a prefix-aware router.")
       .def("cache_full_blocks", &KVCacheManager::cache_full_blocks, py::arg("seq_id"), py::arg("tokens"),
            py::arg("num_computed_tokens"))
       .def_property_readonly("block_size", &KVCacheManager::block_size)

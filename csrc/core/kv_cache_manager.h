@@ -124,6 +124,8 @@ class KVCacheManager {
   // BlockState, refcount and prefix-cache hash prefix (PrefixCache::hash_prefix).
   KVBlockMap block_map() const;
   PrefixCache& prefix_cache() { return prefix_cache_; }
+  // The hashes of every block the prefix cache holds (in use or evictable), unordered.
+  std::vector<BlockHash> cached_block_hashes() const { return prefix_cache_.hashes(); }
 
   // KV-cache events (kv_events.h): off by default. While on, every block that
   // enters the prefix cache and every cached block the pool evicts is recorded

@@ -59,6 +59,13 @@ const BlockHash* PrefixCache::hash_of(int32_t block_id) const {
   return e ? &e->hash : nullptr;
 }
 
+std::vector<BlockHash> PrefixCache::hashes() const {
+  std::vector<BlockHash> out;
+  out.reserve(map_.size());
+  for (const auto& kv : map_) out.push_back(kv.first);
+  return out;
+}
+
 void PrefixCache::erase_block(int32_t block_id) {
   check_block(block_id);
   auto& e = entries_[block_id];

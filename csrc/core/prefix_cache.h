@@ -64,6 +64,8 @@ class PrefixCache {
   // The first 8 bytes of block_id's hash as a big-endian integer, 0 when it holds none.
   uint64_t hash_prefix(int32_t block_id) const;
   size_t size() const { return map_.size(); }
+  // Every hash the cache holds (one per cached block), in no particular order.
+  std::vector<BlockHash> hashes() const;
 
   // Replaces the hash function (tests force collisions with it).
   void set_hash_fn(HashFn fn) { hash_fn_ = std::move(fn); }

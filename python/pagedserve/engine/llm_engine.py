@@ -453,6 +453,17 @@ class LLMEngine:
     def num_preemptions(self) -> int:
         return self.scheduler.num_preemptions
 
+    def replica_report(self):
+        """This engine as a replica reports itself to a router
+        (pagedserve.scaleout.router.ReplicaReport): running and waiting
+        requests, free KV blocks, and the hashes of every block its prefix
+        cache holds (in use or evictable; docs/scale-out.md)."""
+        from ..scaleout.router import ReplicaReport
+
+        kv = self.scheduler.kv_cache_manager
+        return ReplicaReport(self.scheduler.num_running, self.scheduler.num_waiting, kv.num_free_blocks,
+                             frozenset(kv.cached_block_hashes()))
+
     @property
     def prefix_cache_stats(self):
         """pagedserve._core.PrefixCacheStats: queries and hits (tokens), evictions (blocks)."""
