@@ -96,7 +96,8 @@ def test_a_subscriber_sees_stored_and_removed_blocks_and_replays_what_it_missed(
         replayed = []
         while True:
             assert dealer.poll(5000), "no replay answer"
-            seq, payload = dealer.recv_multipart()
+            delimiter, seq, payload = dealer.recv_multipart()
+            assert delimiter == b""
             if seq == (-1).to_bytes(8, "big", signed=True):
                 assert payload == b""
                 break
@@ -124,6 +125,46 @@ def test_an_endpoint_that_cannot_be_bound_is_a_value_error_naming_the_flag():
             KVEventPublisher("not-an-endpoint")
     finally:
         first.close()
+
+
+def test_a_replay_of_every_buffered_batch_reaches_a_slow_reader_and_a_req_client_reads_it_too():
+    from pagedserve.engine.kv_events import END_OF_REPLAY, KVEventPublisher
+
+    pub = KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0")  # buffers 10,000 batches
+    ctx = zmq.Context()
+    try:
+        from types import SimpleNamespace
+
+        # BlockStored batches of ~700 bytes (8 blocks of 16 tokens), more than the buffer holds (the first
+        # 1,000 are gone): 7 MB of reply, beyond what ZeroMQ's default high-water mark (1,000 messages) and
+        # loopback's socket buffers hold for a reader that waits (without sndhwm=0 about 8,500 arrive)
+        stored = SimpleNamespace(type="BlockStored", block_hashes=[bytes(32)] * 8, parent_block_hash=None,
+                                 token_ids=list(range(128)), block_size=16)
+        for _ in range(11_000):
+            pub.publish([stored])
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.connect(pub.replay_endpoint)
+        dealer.send((0).to_bytes(8, "big"))
+        time.sleep(1.0)  # a slow reader: the whole reply waits in the queues
+        seqs = []
+        while True:
+            assert dealer.poll(5000), "the replay stopped before its end marker"
+            _, seq, _payload = dealer.recv_multipart()
+            if seq == END_OF_REPLAY:
+                break
+            seqs.append(int.from_bytes(seq, "big"))
+        assert seqs == list(range(1000, 11_000))
+        dealer.close(0)
+        req = ctx.socket(zmq.REQ)  # a REQ client (as vLLM's example subscriber) gets the first message
+        req.connect(pub.replay_endpoint)
+        req.send((10_999).to_bytes(8, "big"))
+        assert req.poll(5000)
+        seq, payload = req.recv_multipart()
+        assert int.from_bytes(seq, "big") == 10_999 and msgpack.unpackb(payload)[1][0][0] == "BlockStored"
+        req.close(0)
+    finally:
+        ctx.term()
+        pub.close()
 
 
 def test_the_replay_endpoint_needs_the_events_endpoint():

@@ -19,12 +19,15 @@ per step that has any. Wire format (docs/kv-events.md):
   first block, ``lora_id`` and ``medium`` None (no adapters, GPU/CPU tiers);
 - the first batch (sequence 0) is ``[AllBlocksCleared]``: a subscriber that
   sees it knows the engine (re)started with an empty cache;
-- a ROUTER socket at the replay endpoint (optional) answers a request of one
-  frame, the first sequence number wanted (8 bytes, big-endian), with one
-  message ``[sequence, payload]`` per buffered batch from that number on
-  (the last ``buffer_batches`` batches), then ``[-1 as 8 signed big-endian
-  bytes, b""]`` to end the reply. A subscriber that notices a gap asks for the
-  missing batches there (a DEALER socket reads the reply as it is).
+- a ROUTER socket at the replay endpoint (optional) answers a request whose
+  last frame is the first sequence number wanted (8 bytes, big-endian) with
+  one message ``[b"", sequence, payload]`` per buffered batch from that
+  number on (the last ``buffer_batches`` batches), then ``[b"", -1 as 8
+  signed big-endian bytes, b""]`` to end the reply (the empty first frame is
+  the delimiter REQ-style clients expect; a DEALER reads the three frames as
+  they are). A subscriber that notices a gap asks for the missing batches
+  there. The replay socket queues a whole reply (no high-water mark): 10,000
+  buffered batches reach a client that reads slowly.
 """
 
 from __future__ import annotations
@@ -77,7 +80,7 @@ class KVEventPublisher:
         self.replay_endpoint = None
         if replay_endpoint is not None:
             try:
-                replay = self._bind(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint")
+                replay = self._bind(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint", sndhwm=0)
             except ValueError:
                 self._pub.close(0)
                 self._ctx.term()
@@ -87,13 +90,16 @@ class KVEventPublisher:
                                             daemon=True)
             self._thread.start()
 
-    def _bind(self, kind: int, endpoint: str, flag: str):
-        """A socket of `kind` bound at endpoint; ValueError naming the flag when
-        it cannot be (an endpoint in use, a malformed one)."""
+    def _bind(self, kind: int, endpoint: str, flag: str, sndhwm: int | None = None):
+        """A socket of `kind` bound at endpoint (sndhwm: its send high-water
+        mark, 0 = unlimited; ZeroMQ's default 1,000 otherwise); ValueError
+        naming the flag when it cannot be bound (in use, malformed)."""
         import zmq
 
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if sndhwm is not None:
+            sock.setsockopt(zmq.SNDHWM, sndhwm)
         try:
             sock.bind(endpoint)
         except zmq.ZMQError as e:
@@ -143,8 +149,8 @@ class KVEventPublisher:
                 with self._lock:
                     batches = [(s, p) for s, p in self._buffer if s >= start]
                 for s, p in batches:
-                    sock.send_multipart([client, s.to_bytes(8, "big"), p])
-                sock.send_multipart([client, END_OF_REPLAY, b""])
+                    sock.send_multipart([client, b"", s.to_bytes(8, "big"), p])
+                sock.send_multipart([client, b"", END_OF_REPLAY, b""])
         finally:
             sock.close(0)
 
