@@ -69,7 +69,7 @@ test-models: $(STAMP)
 
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
 test-python: $(STAMP) chromium test-models
-	cd tests && ../$(PY) -m pytest python -q -rs
+	cd tests && ../$(PY) -m pytest python -q -rs --durations=15
 
 # The Metal backend's bindings and Python layer without a Mac: a test build of
 # _core whose Metal device is a recording device that checks every buffer

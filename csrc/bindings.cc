@@ -78,6 +78,9 @@ TensorArg tensor_arg(const py::handle& t, const char* name) {
 
 namespace {
 
+// A BlockHash as the 32 Python bytes every binding hands out (events, hash_block, cached_block_hashes).
+py::bytes hash_bytes(const BlockHash& h) { return py::bytes(reinterpret_cast<const char*>(h.data()), h.size()); }
+
 // A numpy view of a vector owned by `owner`. SchedulerOutput's views are
 // read-only (C++ reads them again in build_model_input); ModelInput's are
 // writable only so torch.from_numpy can wrap them without a copy.
@@ -199,9 +202,7 @@ PYBIND11_MODULE(_core, m) {
           "cached_block_hashes",
           [](const KVCacheManager& kv) {
             py::list out;
-            for (const BlockHash& h : kv.cached_block_hashes()) {
-              out.append(py::bytes(reinterpret_cast<const char*>(h.data()), h.size()));
-            }
+            for (const BlockHash& h : kv.cached_block_hashes()) out.append(hash_bytes(h));
             return out;
           },
           "The 32-byte hashes (hash_block's) of every block the prefix cache holds, in use or evictable, "
@@ -390,16 +391,13 @@ PYBIND11_MODULE(_core, m) {
       .def_property_readonly("config", &Scheduler::config)
       .def("block_owners", &Scheduler::block_owners);
 
-  const auto hash_bytes = [](const BlockHash& h) {
-    return py::bytes(reinterpret_cast<const char*>(h.data()), h.size());
-  };
   py::class_<KVCacheEvent>(m, "KVCacheEvent",
                            "One KV-cache event (csrc/core/kv_events.h; vLLM's schema, docs/kv-events.md).")
       .def_property_readonly("type", [](const KVCacheEvent& e) { return std::string(kv_event_type_str(e.type)); },
                              "'BlockStored', 'BlockRemoved' or 'AllBlocksCleared'.")
       .def_property_readonly(
           "block_hashes",
-          [hash_bytes](const KVCacheEvent& e) {
+          [](const KVCacheEvent& e) {
             py::list out;
             for (const BlockHash& h : e.block_hashes) out.append(hash_bytes(h));
             return out;
@@ -407,7 +405,7 @@ PYBIND11_MODULE(_core, m) {
           "The blocks' chained SHA-256 hashes (32 bytes each, hash_block's value), in chain order.")
       .def_property_readonly(
           "parent_block_hash",
-          [hash_bytes](const KVCacheEvent& e) -> py::object {
+          [](const KVCacheEvent& e) -> py::object {
             if (!e.has_parent) return py::none();
             return hash_bytes(e.parent_block_hash);
           },
@@ -417,7 +415,7 @@ PYBIND11_MODULE(_core, m) {
 
   m.def(
       "hash_block",
-      [hash_bytes](const std::optional<std::string>& parent, const std::vector<int32_t>& token_ids,
+      [](const std::optional<std::string>& parent, const std::vector<int32_t>& token_ids,
                    const std::string& extra_key) {
         BlockHash p{};
         if (parent) {

@@ -18,6 +18,8 @@ BENCHMARKS = {
     "serving": Command("load on any OpenAI-compatible server (closed loop, sweep, Poisson, side by side): "
                        "output tokens/s, TTFT, ITL, TPOT, E2E, and a check of the tokens produced",
                        "pagedserve.bench.serving:main"),
+    "routing": Command("request routers side by side on `serve --replicas N` (Ray Serve): TTFT, prefix-cache "
+                       "hit rate, requests per replica", "pagedserve.bench.routing:main"),
 }
 
 

@@ -69,7 +69,16 @@ class KVEventPublisher:
 
         self._packb = msgpack.packb
         self._ctx = zmq.Context()
-        self._pub = self._bind(zmq.PUB, endpoint, "--kv-events-endpoint")
+        self._pub = None
+        try:  # a bind that fails leaves no socket or context behind
+            self._pub = self._bind(zmq.PUB, endpoint, "--kv-events-endpoint")
+            replay = (self._bind(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint", sndhwm=0)
+                      if replay_endpoint is not None else None)
+        except ValueError:
+            if self._pub is not None:
+                self._pub.close(0)
+            self._ctx.term()
+            raise
         self.endpoint = self._pub.getsockopt(zmq.LAST_ENDPOINT).decode()  # tcp://127.0.0.1:0 resolved
         self._topic = topic.encode()
         self._seq = 0
@@ -78,13 +87,7 @@ class KVEventPublisher:
         self._stop = threading.Event()
         self._thread = None
         self.replay_endpoint = None
-        if replay_endpoint is not None:
-            try:
-                replay = self._bind(zmq.ROUTER, replay_endpoint, "--kv-events-replay-endpoint", sndhwm=0)
-            except ValueError:
-                self._pub.close(0)
-                self._ctx.term()
-                raise
+        if replay is not None:
             self.replay_endpoint = replay.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._thread = threading.Thread(target=self._serve_replay, args=(replay,), name="kv-events-replay",
                                             daemon=True)
@@ -93,7 +96,8 @@ class KVEventPublisher:
     def _bind(self, kind: int, endpoint: str, flag: str, sndhwm: int | None = None):
         """A socket of `kind` bound at endpoint (sndhwm: its send high-water
         mark, 0 = unlimited; ZeroMQ's default 1,000 otherwise); ValueError
-        naming the flag when it cannot be bound (in use, malformed)."""
+        naming the flag when it cannot be bound (in use, malformed), its own
+        socket closed (the caller cleans up the rest)."""
         import zmq
 
         sock = self._ctx.socket(kind)
@@ -104,8 +108,6 @@ class KVEventPublisher:
             sock.bind(endpoint)
         except zmq.ZMQError as e:
             sock.close(0)
-            if kind == zmq.PUB:
-                self._ctx.term()
             raise ValueError(f"{flag} {endpoint!r}: cannot bind there ({e})") from e
         return sock
 

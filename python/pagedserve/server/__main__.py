@@ -44,6 +44,21 @@ def build_parser(prog: str = "python -m pagedserve.server") -> argparse.Argument
     p.add_argument("--timeout-graceful-shutdown", type=float, default=20.0,
                    help="on SIGTERM/SIGINT: seconds running requests get to finish before they are aborted")
     p.add_argument("--log-level", default="info", help="uvicorn and pagedserve log level")
+    ray = p.add_argument_group("replicas (Ray Serve; pip install 'pagedserve[ray]'; docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, default=0,
+                     help="serve N engine replicas behind this endpoint as a Ray Serve application (0: one engine, "
+                          "no Ray)")
+    ray.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "least-loaded", "ray-default"],
+                     help="with --replicas: which replica serves a request (prefix: prefix-cache affinity under a "
+                          "load guard)")
+    ray.add_argument("--balance-abs-threshold", type=int, default=64,
+                     help="with --routing prefix: the load guard acts when the busiest replica's load exceeds the "
+                          "idlest's by more than this many requests ...")
+    ray.add_argument("--balance-rel-threshold", type=float, default=1.5,
+                     help="... and is more than this factor of it (SGLang's two conditions)")
+    ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs Ray reserves per replica")
+    ray.add_argument("--ray-address", default=None,
+                     help="with --replicas: join this Ray cluster (e.g. auto) instead of starting a local one")
     return EngineArgs.add_cli_args(p)
 
 
@@ -79,6 +94,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m pagedserve.server
     Exits with a one-line reason when the engine cannot start."""
     args = build_parser(prog).parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas:
+        try:
+            from ..scaleout.ray_app import serve_replicas
+        except ImportError as e:
+            raise SystemExit(f"pagedserve: --replicas needs Ray Serve: pip install 'pagedserve[ray]' ({e})") from e
+        try:
+            serve_replicas(args)
+        except ValueError as e:
+            raise SystemExit(f"pagedserve: cannot start: {e}") from e
+        return
     from ..engine.async_engine import AsyncLLMEngine
     from ..engine.llm_engine import LLMEngine
     from .api import create_app
