@@ -1,3 +1,4 @@
-"""Scale-out across PagedServe replicas: request routing (router.py). The Ray
-Serve application that runs replicas behind one endpoint is planned (issue 29);
-the routers here are plain Python and know replicas only by what they report."""
+"""Scale-out across PagedServe replicas: request routing (router.py, plain
+Python: routers know replicas only by what they report) and `pagedserve serve
+--replicas N` on Ray Serve (ray_app.py, ray_router.py, asgi_forward.py;
+imported only with --replicas, so Ray stays optional)."""

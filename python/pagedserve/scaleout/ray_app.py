@@ -40,14 +40,14 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from ..server.errors import error_response
+from ..server.middleware import body_too_large
 
 from .asgi_forward import ResponseStart, forward_request
 from .ray_router import pack_hash_prefixes
-from .router import POLICIES, PrefixAffinityRouter, prompt_block_hashes
+from .router import ROUTING_POLICIES, PrefixAffinityRouter, prompt_block_hashes
 
 logger = logging.getLogger(__name__)
 
-ROUTING_POLICIES = POLICIES + ("ray-default",)
 ROUTING_STATS_PERIOD_S = 0.5  # how often the Serve controller asks each replica for its report
 METRICS_TIMEOUT_S = 10.0
 # A replica takes what Ray sends it (its own scheduler queues and batches); Ray's
@@ -226,13 +226,12 @@ class Ingress:
         path = request.url.path
         if path == "/metrics" and request.method == "GET":
             return await self.metrics()
-        too_large = f"The request body is larger than the limit of {self.max_body_bytes} bytes."
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:  # refused unread, as a replica would
-            return error_response(413, too_large, code="request_too_large", path=path)
+            return body_too_large(self.max_body_bytes, path)
         body = await request.body()
         if len(body) > self.max_body_bytes:
-            return error_response(413, too_large, code="request_too_large", path=path)
+            return body_too_large(self.max_body_bytes, path)
         hashes = await run_in_threadpool(self.block_hashes, path, body) if request.method == "POST" else []
         stream = self.engine.options(stream=True).forward.remote(
             request.method, path, request.url.query.encode("latin-1"), list(request.headers.items()), body,

@@ -28,6 +28,10 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 POLICIES = ("prefix", "round-robin", "least-loaded")
+# what `pagedserve serve --routing` takes: these, or Ray Serve's own router (scaleout/ray_app.py)
+ROUTING_POLICIES = POLICIES + ("ray-default",)
+BALANCE_ABS_THRESHOLD = 64  # SGLang's defaults for the load guard
+BALANCE_REL_THRESHOLD = 1.5
 
 
 def prompt_block_hashes(token_ids: Sequence[int], block_size: int = 16, cache_salt: str = "") -> list[bytes]:
@@ -149,7 +153,8 @@ class PrefixAffinityRouter(Router):
     exceed the idlest's for the guard to act; balance_rel_threshold: and the
     factor (> 1) by which it must. Raises ValueError for thresholds out of range."""
 
-    def __init__(self, balance_abs_threshold: int = 64, balance_rel_threshold: float = 1.5) -> None:
+    def __init__(self, balance_abs_threshold: int = BALANCE_ABS_THRESHOLD,
+                 balance_rel_threshold: float = BALANCE_REL_THRESHOLD) -> None:
         super().__init__()
         if balance_abs_threshold < 0:
             raise ValueError(f"balance_abs_threshold must be >= 0, got {balance_abs_threshold}")

@@ -11,6 +11,7 @@ import signal
 import uvicorn
 
 from ..config import EngineArgs, parse_bytes
+from ..scaleout.router import BALANCE_ABS_THRESHOLD, BALANCE_REL_THRESHOLD, ROUTING_POLICIES
 
 
 class _ServerArgumentParser(argparse.ArgumentParser):
@@ -48,13 +49,13 @@ def build_parser(prog: str = "python -m pagedserve.server") -> argparse.Argument
     ray.add_argument("--replicas", type=int, default=0,
                      help="serve N engine replicas behind this endpoint as a Ray Serve application (0: one engine, "
                           "no Ray)")
-    ray.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "least-loaded", "ray-default"],
+    ray.add_argument("--routing", default="prefix", choices=ROUTING_POLICIES,
                      help="with --replicas: which replica serves a request (prefix: prefix-cache affinity under a "
                           "load guard)")
-    ray.add_argument("--balance-abs-threshold", type=int, default=64,
+    ray.add_argument("--balance-abs-threshold", type=int, default=BALANCE_ABS_THRESHOLD,
                      help="with --routing prefix: the load guard acts when the busiest replica's load exceeds the "
                           "idlest's by more than this many requests ...")
-    ray.add_argument("--balance-rel-threshold", type=float, default=1.5,
+    ray.add_argument("--balance-rel-threshold", type=float, default=BALANCE_REL_THRESHOLD,
                      help="... and is more than this factor of it (SGLang's two conditions)")
     ray.add_argument("--replica-cpus", type=float, default=1.0, help="with --replicas: CPUs Ray reserves per replica")
     ray.add_argument("--ray-address", default=None,

@@ -13,6 +13,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .errors import error_response
 
 
+def body_too_large(max_body_bytes: int, path: str = "") -> JSONResponse:
+    """The 413 answer to a body over max_body_bytes (error_response's shape for path)."""
+    return error_response(413, f"The request body is larger than the limit of {max_body_bytes} bytes.",
+                          code="request_too_large", path=path)
+
+
 def _header(scope: Scope, name: bytes) -> bytes | None:
     for key, value in scope.get("headers", ()):
         if key.lower() == name:
@@ -72,8 +78,7 @@ class BodySizeLimitMiddleware:
         self.max_body_bytes = max_body_bytes
 
     def _too_large(self) -> JSONResponse:
-        return error_response(413, f"The request body is larger than the limit of {self.max_body_bytes} bytes.",
-                              code="request_too_large")
+        return body_too_large(self.max_body_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
