@@ -29,8 +29,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m pagedserve.server $(ARGS)
 
+# Release (as the wheel): the qemu-user runs execute the tests' own code too, about 2x faster optimised;
+# the Debug build, assert() on, is test-sanitize's.
 test-cpp:
-	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug
+	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=OFF -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release
 	cmake --build build/cpp -j2
 	cd build/cpp && ctest --output-on-failure -j2
 	@echo "CPU kernel variants the C++ tests exercised:"
@@ -39,9 +41,10 @@ test-cpp:
 
 # The same C++ tests built with AddressSanitizer (+LeakSanitizer) and
 # UndefinedBehaviorSanitizer (CMake option PAGEDSERVE_SANITIZE): every memory
-# error, leak or UB report fails its test. Debug, as test-cpp: -O0 keeps every
+# error, leak or UB report fails its test. Debug: -O0 keeps every
 # access the source makes (the optimiser cannot drop a bad read before ASan sees
-# it) and assert() on; the kernel objects stay -O3. Without the qemu-user tests
+# it) and assert() on; the kernel objects -O1 (-O3 in test-cpp: instrumenting
+# their unrolled loops at -O3 costs GCC minutes per object). Without the qemu-user tests
 # (ASan cannot run under qemu-user); test-cpp runs those.
 SANITIZE_ASAN_OPTIONS  ?= detect_leaks=1:detect_stack_use_after_return=1:check_initialization_order=1:strict_init_order=1
 SANITIZE_UBSAN_OPTIONS ?= print_stacktrace=1:halt_on_error=1
@@ -76,12 +79,13 @@ test-python: $(STAMP) chromium test-models
 # binding against metal/pagedserve_args.h and computes the kernels' contract on
 # the CPU (tests/metal_source/); the backend's Python tests and the parity
 # suite's metal cases run on it. (The kernels themselves are verified by the
-# emulator in test-cpp.)
+# emulator in test-cpp.) In test-cpp's build folder with the Python module switched on: the libraries
+# and kernel objects test-cpp compiled are reused (same flags); only the bindings compile.
 test-metal-host: $(STAMP)
-	cmake -S . -B build/metal-host -DPAGEDSERVE_BUILD_PYTHON=ON -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
+	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=ON -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
 	  -DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -c "import pybind11; print(pybind11.get_cmake_dir())")
-	cmake --build build/metal-host -j2 --target metal_stub_core
-	cd build/metal-host && ctest -R metal_python_on_recording_device --output-on-failure
+	cmake --build build/cpp -j2 --target metal_stub_core
+	cd build/cpp && ctest -R metal_python_on_recording_device --output-on-failure
 
 # `make test` runs its parts one after another and prints each one's wall time
 # ("== phase NAME: S s"), so a slow CI names its slow part; a part that fails

@@ -27,6 +27,43 @@ def gguf():
     return GGUFBlocks.read(default_gguf_path())
 
 
+def test_the_tensor_index_kept_on_disk_equals_gguf_pys_and_is_read_back(tmp_path, monkeypatch):
+    """GGUFBlocks.read takes the tensor index from its cache file after the first read: every tensor's
+    blocks, dtype, shape and block type equal gguf-py's GGUFReader's, from the cache file (with gguf-py's
+    reader made to fail) as from a fresh read; a damaged cache file is read again by gguf-py."""
+    import gguf as gguf_py
+    import numpy as np
+
+    from pagedserve.model import gguf_format
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    path = default_gguf_path()
+    reference = gguf_py.GGUFReader(str(path))
+
+    def check(blocks):
+        assert blocks.architecture == "llama"
+        assert set(blocks.tensors) == {t.name for t in reference.tensors}
+        for t in reference.tensors:
+            data, qtype = blocks.tensors[t.name]
+            assert qtype == t.tensor_type.name.lower() and data.dtype == t.data.dtype and data.shape == t.data.shape
+            assert np.array_equal(data, t.data), t.name
+
+    cached = gguf_format.index_cache_path(path)
+    assert not cached.exists()
+    check(GGUFBlocks.read(path))
+    assert cached.is_file()
+
+    def no_reader(*args, **kwargs):
+        raise AssertionError("gguf-py's reader ran although the index was cached")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_py, "GGUFReader", no_reader)
+        check(GGUFBlocks.read(path))
+    cached.write_text("{not json")
+    check(GGUFBlocks.read(path))
+    assert GGUFBlocks.read(path).architecture == "llama"
+
+
 def gguf_method(gguf, config, max_rows=None):
     """The gguf method over torch's dense layers, and its decision table (gguf first, then dense)."""
     dense = DenseMethod(LinearChoice("torch", "test"))

@@ -70,6 +70,49 @@ def unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, n // num_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
 
 
+def index_cache_path(path: Path) -> Path:
+    """Where ``read_tensor_index`` keeps ``path``'s index: the cache folder
+    (``$PAGEDSERVE_CACHE``), named by the file's stem, its content fingerprint
+    (loader.gguf_fingerprint) and gguf-py's version."""
+    from importlib.metadata import version
+
+    from .loader import cache_dir, gguf_fingerprint
+
+    return cache_dir() / "gguf-index" / f"{path.stem}-{gguf_fingerprint(path)}-gguf{version('gguf')}.json"
+
+
+def read_tensor_index(path: Path) -> dict:
+    """The tensor index of the GGUF file ``path`` as gguf-py's GGUFReader reads
+    it: {"architecture": general.architecture or "", "tensors": [[name, data
+    offset (bytes from the file's start), bytes, numpy dtype string, shape of
+    gguf-py's data array, qtype name such as "q4_1"], ...]}. Taken from the
+    cache file (index_cache_path) when there is one, else read by gguf-py and
+    written there (atomically; an unwritable cache only costs a re-read)."""
+    import json
+    import os
+
+    cached = index_cache_path(path)
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    arch = reader.fields.get("general.architecture")
+    index = {"architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
+             "tensors": [[t.name, int(t.data_offset), int(t.data.nbytes), t.data.dtype.str, list(t.data.shape),
+                          t.tensor_type.name.lower()] for t in reader.tensors]}
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
+        tmp.write_text(json.dumps(index))
+        os.replace(tmp, cached)
+    except OSError:
+        pass
+    return index
+
+
 @dataclass
 class GGUFBlocks:
     """Raw blocks of a GGUF file's tensors.
@@ -87,14 +130,18 @@ class GGUFBlocks:
 
     @classmethod
     def read(cls, path: Path) -> "GGUFBlocks":
-        """Reads the tensor index of ``path`` (memory-mapped by gguf-py; the blocks
-        are copied when used)."""
-        from gguf import GGUFReader
-
-        reader = GGUFReader(str(path))
-        arch = reader.fields.get("general.architecture")
-        architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
-        return cls(Path(path), {t.name: (t.data, t.tensor_type.name.lower()) for t in reader.tensors}, architecture)
+        """Reads the tensor index of ``path`` and memory-maps the file (the blocks
+        are copied when used). The index is gguf-py's (GGUFReader); since that
+        parses every metadata field (SmolLM2's 49,152 vocabulary strings and its
+        merges: about 3 s), it is kept in a small JSON file under the cache folder
+        (``index_cache_path``), keyed by the file's content fingerprint and
+        gguf-py's version, and later reads take it from there."""
+        path = Path(path)
+        index = read_tensor_index(path)
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+        tensors = {name: (data[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape), qtype)
+                   for name, offset, nbytes, dtype, shape, qtype in index["tensors"]}
+        return cls(path, tensors, index["architecture"])
 
     def gguf_name(self, name: str) -> str | None:
         """The GGUF tensor name of a decoder linear layer's qualified transformers

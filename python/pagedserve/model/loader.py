@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -76,7 +77,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
     transformers refuses ``save_pretrained`` on a GGUF-loaded model, so a fresh
     model is built from its config (without ``quantization_config``) and given
-    the dequantized state dict. Writes atomically (temp folder, then rename).
+    the dequantized state dict. Writes atomically (temp folder, then rename); where
+    another process finished the same folder first, keeps theirs.
     Returns ``out_dir``.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -101,7 +103,13 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        # another process (a second server, a parallel test worker) converted the same file first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "config.json").exists():
+            raise
     steps.update()
     steps.close()
     return out_dir

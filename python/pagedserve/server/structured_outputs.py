@@ -70,8 +70,9 @@ def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
 
 
 async def check_compiles(core, constraint: StructuredOutputsParams, field: str) -> None:
-    """Compiles the constraint on a worker thread (the engine thread then finds
-    it in the compiler's cache); raises APIError 400 naming `field` when it is
+    """Checks the constraint's size and schema keywords here, then compiles it on a
+    worker thread (the engine thread then finds it in the compiler's cache);
+    raises APIError 400 naming `field` when it is
     invalid, too large or uses a keyword the backend would ignore
     (structured_output/limits.py), does not compile within
     --structured-outputs-compile-timeout seconds (the compile cannot be
@@ -80,6 +81,7 @@ async def check_compiles(core, constraint: StructuredOutputsParams, field: str) 
     timeout = core.args.structured_outputs_compile_timeout
     try:
         manager = core.structured_output
+        manager.check(constraint)  # refused by what is wrong with it, whatever the timeout
         await asyncio.wait_for(asyncio.shield(run_in_threadpool(manager.compile, constraint)), timeout)
     except asyncio.TimeoutError as e:
         raise APIError(400, f"`{field}`: the constraint did not compile within {timeout:g} s "

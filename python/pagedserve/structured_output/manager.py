@@ -86,19 +86,30 @@ class StructuredOutputManager:
         keyword the backend would ignore, is larger than limits.py allows, or
         admits no first token at all (e.g. a schema that only refers to itself).
         """
-        check_size(params)
+        self.check(params)
         compiled = self._compile(params)
         if not self.new_states(compiled, 1)[0].admits_any():
             raise InvalidStructuredOutputError(params.kind, f"invalid {_WHAT[params.kind]}: no output satisfies it")
         return compiled
 
+    @staticmethod
+    def check(params: StructuredOutputsParams) -> None:
+        """What needs no compiling (milliseconds): the size limits and, for a JSON
+        schema, that it parses and uses no keyword the backend would ignore
+        (limits.py). Raises InvalidStructuredOutputError naming the field."""
+        check_size(params)
+        if params.kind == "json":
+            try:
+                schema = json.loads(_schema_text(params))
+            except ValueError as e:
+                raise InvalidStructuredOutputError("json", f"invalid JSON schema: {e}") from e
+            check_schema(schema)
+
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
         try:
             if kind == "json":
-                schema = params.json if isinstance(params.json, str) else json.dumps(params.json)
-                check_schema(json.loads(schema))  # (json.loads: a clear message for text that is not JSON)
-                return self.compiler.compile_json_schema(schema, any_whitespace=False)
+                return self.compiler.compile_json_schema(_schema_text(params), any_whitespace=False)
             if kind == "json_object":
                 return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if kind == "regex":
@@ -118,6 +129,11 @@ class StructuredOutputManager:
     def new_states(self, compiled: xgr.CompiledGrammar, n: int) -> list[GrammarState]:
         """n fresh GrammarStates (one per choice), at the grammar's start."""
         return [GrammarState(xgr.GrammarMatcher(compiled), self.vocab_size) for _ in range(n)]
+
+
+def _schema_text(params: StructuredOutputsParams) -> str:
+    """A json constraint's schema as JSON text."""
+    return params.json if isinstance(params.json, str) else json.dumps(params.json)
 
 
 _WHAT = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regular expression",
