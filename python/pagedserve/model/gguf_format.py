@@ -70,6 +70,10 @@ def unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
     return blocks.reshape(num_heads, n // num_heads // 2, 2, -1).transpose(1, 2).reshape(n, -1).contiguous()
 
 
+# the layout of read_tensor_index's dict; a cache file of another layout is read again
+INDEX_FORMAT = 1
+
+
 def index_cache_path(path: Path) -> Path:
     """Where ``read_tensor_index`` keeps ``path``'s index: the cache folder
     (``$PAGEDSERVE_CACHE``), named by the file's stem, its content fingerprint
@@ -83,7 +87,7 @@ def index_cache_path(path: Path) -> Path:
 
 def read_tensor_index(path: Path) -> dict:
     """The tensor index of the GGUF file ``path`` as gguf-py's GGUFReader reads
-    it: {"architecture": general.architecture or "", "tensors": [[name, data
+    it: {"format": INDEX_FORMAT, "architecture": general.architecture or "", "tensors": [[name, data
     offset (bytes from the file's start), bytes, numpy dtype string, shape of
     gguf-py's data array, qtype name such as "q4_1"], ...]}. Taken from the
     cache file (index_cache_path) when there is one, else read by gguf-py and
@@ -93,14 +97,16 @@ def read_tensor_index(path: Path) -> dict:
 
     cached = index_cache_path(path)
     try:
-        return json.loads(cached.read_text())
+        index = json.loads(cached.read_text())
+        if isinstance(index, dict) and index.get("format") == INDEX_FORMAT:
+            return index
     except (OSError, ValueError):
         pass
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = reader.fields.get("general.architecture")
-    index = {"architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
+    index = {"format": INDEX_FORMAT, "architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
              "tensors": [[t.name, int(t.data_offset), int(t.data.nbytes), t.data.dtype.str, list(t.data.shape),
                           t.tensor_type.name.lower()] for t in reader.tensors]}
     try:
