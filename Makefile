@@ -80,7 +80,8 @@ test-python: $(STAMP) chromium test-models
 # the CPU (tests/metal_source/); the backend's Python tests and the parity
 # suite's metal cases run on it. (The kernels themselves are verified by the
 # emulator in test-cpp.) In test-cpp's build folder with the Python module switched on: the libraries
-# and kernel objects test-cpp compiled are reused (same flags); only the bindings compile.
+# and kernel objects test-cpp compiled are reused (same flags); only the bindings compile. (So do not
+# run test-cpp and test-metal-host at once: `make -j`; `make test` runs its parts one after another.)
 test-metal-host: $(STAMP)
 	cmake -S . -B build/cpp -DPAGEDSERVE_BUILD_PYTHON=ON -DPAGEDSERVE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Release \
 	  -DPython_EXECUTABLE=$(abspath $(PY)) -Dpybind11_DIR=$$($(PY) -c "import pybind11; print(pybind11.get_cmake_dir())")

@@ -30,8 +30,10 @@ def gguf():
 def test_the_tensor_index_kept_on_disk_equals_gguf_pys_and_is_read_back(tmp_path, monkeypatch):
     """GGUFBlocks.read takes the tensor index from its cache file after the first read: every tensor's
     blocks, dtype, shape and block type equal gguf-py's GGUFReader's, from the cache file (with gguf-py's
-    reader made to fail) as from a fresh read; a damaged cache file, or one of another layout, is read
-    again by gguf-py."""
+    reader made to fail) as from a fresh read; a damaged cache file, one of another layout and one whose
+    header hash is not the file's are read again by gguf-py."""
+    import json
+
     import gguf as gguf_py
     import numpy as np
 
@@ -63,6 +65,10 @@ def test_the_tensor_index_kept_on_disk_equals_gguf_pys_and_is_read_back(tmp_path
     cached.write_text("{not json")
     check(GGUFBlocks.read(path))
     cached.write_text('{"format": 0, "architecture": "x", "tensors": []}')  # another layout
+    check(GGUFBlocks.read(path))
+    stale = json.loads(cached.read_text())  # an index whose header is not this file's
+    stale["header_sha256"], stale["tensors"] = "0" * 64, []
+    cached.write_text(json.dumps(stale))
     check(GGUFBlocks.read(path))
     assert GGUFBlocks.read(path).architecture == "llama"
 

@@ -105,6 +105,9 @@ def test_constraint_cut_by_max_tokens_ends_with_length(client):
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"response_format": {"type": "xml"}}, "response_format.type"),
     ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_json": "[" * 5000}, "guided_json"),  # nested deeper than Python's parser recurses
+    ({"guided_json": '{"type": "object", "properties": {"a": ' * 1500 + '{"type": "string"}' + "}}" * 1500},
+     "guided_json"),
     ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"guided_grammar": "root ::= "}, "guided_grammar"),
     ({"guided_grammar": "root ::= root"}, "guided_grammar"),  # compiles, but admits no output at all

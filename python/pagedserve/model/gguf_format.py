@@ -71,51 +71,73 @@ def unpermute_rows(blocks: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # the layout of read_tensor_index's dict; a cache file of another layout is read again
-INDEX_FORMAT = 1
+INDEX_FORMAT = 2
 
 
-def index_cache_path(path: Path) -> Path:
+def index_cache_path(path: Path) -> Path | None:
     """Where ``read_tensor_index`` keeps ``path``'s index: the cache folder
     (``$PAGEDSERVE_CACHE``), named by the file's stem, its content fingerprint
-    (loader.gguf_fingerprint) and gguf-py's version."""
-    from importlib.metadata import version
+    (loader.gguf_fingerprint) and gguf-py's version; None (no cache) where
+    gguf-py's version is unknown (no package metadata)."""
+    from importlib.metadata import PackageNotFoundError, version
 
     from .loader import cache_dir, gguf_fingerprint
 
-    return cache_dir() / "gguf-index" / f"{path.stem}-{gguf_fingerprint(path)}-gguf{version('gguf')}.json"
+    try:
+        gguf_version = version("gguf")
+    except PackageNotFoundError:
+        return None
+    return cache_dir() / "gguf-index" / f"{path.stem}-{gguf_fingerprint(path)}-gguf{gguf_version}.json"
+
+
+def _header_sha256(path: Path, num_bytes: int) -> str:
+    """SHA-256 (hashlib) of the file's first num_bytes bytes: its header (metadata
+    and tensor infos), which determines the whole index."""
+    import hashlib
+
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read(num_bytes)).hexdigest()
 
 
 def read_tensor_index(path: Path) -> dict:
     """The tensor index of the GGUF file ``path`` as gguf-py's GGUFReader reads
-    it: {"format": INDEX_FORMAT, "architecture": general.architecture or "", "tensors": [[name, data
-    offset (bytes from the file's start), bytes, numpy dtype string, shape of
-    gguf-py's data array, qtype name such as "q4_1"], ...]}. Taken from the
-    cache file (index_cache_path) when there is one, else read by gguf-py and
-    written there (atomically; an unwritable cache only costs a re-read)."""
+    it: {"format": INDEX_FORMAT, "architecture": general.architecture or "",
+    "header_bytes": where the tensor data starts, "header_sha256": of those
+    bytes, "tensors": [[name, data offset (bytes from the file's start), bytes,
+    numpy dtype string, shape of gguf-py's data array, qtype name such as
+    "q4_1"], ...]}. Taken from the cache file (index_cache_path) when there is
+    one of this layout whose header hash matches the file's, else read by
+    gguf-py and written there (atomically; an unwritable cache only costs a
+    re-read)."""
     import json
     import os
 
     cached = index_cache_path(path)
-    try:
-        index = json.loads(cached.read_text())
-        if isinstance(index, dict) and index.get("format") == INDEX_FORMAT:
-            return index
-    except (OSError, ValueError):
-        pass
+    if cached is not None:
+        try:
+            index = json.loads(cached.read_text())
+            if (isinstance(index, dict) and index.get("format") == INDEX_FORMAT
+                    and index["header_sha256"] == _header_sha256(path, index["header_bytes"])):
+                return index
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
     from gguf import GGUFReader
 
     reader = GGUFReader(str(path))
     arch = reader.fields.get("general.architecture")
-    index = {"format": INDEX_FORMAT, "architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
+    index = {"format": INDEX_FORMAT,
+             "architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
+             "header_bytes": int(reader.data_offset), "header_sha256": _header_sha256(path, int(reader.data_offset)),
              "tensors": [[t.name, int(t.data_offset), int(t.data.nbytes), t.data.dtype.str, list(t.data.shape),
                           t.tensor_type.name.lower()] for t in reader.tensors]}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
+    if cached is not None:
         tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
-        tmp.write_text(json.dumps(index))
-        os.replace(tmp, cached)
-    except OSError:
-        pass
+        try:
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            tmp.write_text(json.dumps(index))
+            os.replace(tmp, cached)
+        except OSError:
+            tmp.unlink(missing_ok=True)
     return index
 
 

@@ -100,10 +100,11 @@ class StructuredOutputManager:
         check_size(params)
         if params.kind == "json":
             try:
-                schema = json.loads(_schema_text(params))
-            except ValueError as e:
+                check_schema(json.loads(_schema_text(params)))
+            except (ValueError, RecursionError) as e:  # text that is not JSON, nesting deeper than Python recurses
+                if isinstance(e, InvalidStructuredOutputError):
+                    raise
                 raise InvalidStructuredOutputError("json", f"invalid JSON schema: {e}") from e
-            check_schema(schema)
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
