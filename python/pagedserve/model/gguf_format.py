@@ -162,8 +162,8 @@ class GGUFBlocks:
         are copied when used). The index is gguf-py's (GGUFReader); since that
         parses every metadata field (SmolLM2's 49,152 vocabulary strings and its
         merges: about 3 s), it is kept in a small JSON file under the cache folder
-        (``index_cache_path``), keyed by the file's content fingerprint and
-        gguf-py's version, and later reads take it from there."""
+        (``index_cache_path``), and later reads take it from there while its
+        header hash matches the file's (read_tensor_index)."""
         path = Path(path)
         index = read_tensor_index(path)
         data = np.memmap(path, dtype=np.uint8, mode="r")

@@ -101,10 +101,10 @@ class StructuredOutputManager:
         if params.kind == "json":
             try:
                 check_schema(json.loads(_schema_text(params)))
+            except InvalidStructuredOutputError:
+                raise
             except (ValueError, RecursionError) as e:  # text that is not JSON, nesting deeper than Python recurses
-                if isinstance(e, InvalidStructuredOutputError):
-                    raise
-                raise InvalidStructuredOutputError("json", f"invalid JSON schema: {e}") from e
+                raise InvalidStructuredOutputError("json", f"invalid {_WHAT['json']}: {e}") from e
 
     def _compile(self, params: StructuredOutputsParams) -> xgr.CompiledGrammar:
         kind = params.kind
