@@ -342,12 +342,23 @@ PYBIND11_MODULE(_core, m) {
         return view(self, o.blocks_to_copy, {static_cast<py::ssize_t>(o.blocks_to_copy.size() / 2), 2}, true);
       });
 
+  // Read-only: Python keeps a choice's record (SequenceUpdate.sequence) and reads its tokens from it.
+  py::class_<Sequence, std::shared_ptr<Sequence>>(m, "Sequence")
+      .def_readonly("request_id", &Sequence::request_id)
+      .def_readonly("index", &Sequence::index)
+      .def_readonly("num_prompt_tokens", &Sequence::num_prompt_tokens)
+      .def_readonly("finish_reason", &Sequence::finish_reason)
+      .def_property_readonly("num_output_tokens", &Sequence::num_output_tokens)
+      .def_property_readonly("output_token_ids", &Sequence::output_token_ids);
+
   py::class_<SequenceUpdate>(m, "SequenceUpdate")
       .def_readonly("request_id", &SequenceUpdate::request_id)
       .def_readonly("index", &SequenceUpdate::index)
       .def_readonly("token_id", &SequenceUpdate::token_id)
       .def_readonly("finish_reason", &SequenceUpdate::finish_reason)
       .def_readonly("num_cached_tokens", &SequenceUpdate::num_cached_tokens)
+      .def_property_readonly("sequence",
+                             [](const SequenceUpdate& u) { return std::const_pointer_cast<Sequence>(u.sequence); })
       .def_property_readonly("finished",
                              [](const SequenceUpdate& u) { return u.finish_reason != FinishReason::kNone; })
       .def_property_readonly("finish_reason_str",

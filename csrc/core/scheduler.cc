@@ -313,7 +313,7 @@ std::vector<SequenceUpdate> Scheduler::update(const std::vector<int32_t>& sample
     seq->token_ids.push_back(token);
     FinishReason reason = caller == CallerFinish::kStop ? FinishReason::kStop : check_stop(*seq);
     if (reason == FinishReason::kLength && caller == CallerFinish::kStopIfFinished) reason = FinishReason::kStop;
-    SequenceUpdate u{seq->request_id, seq->index, token, reason, seq->num_cached_tokens};
+    SequenceUpdate u{seq->request_id, seq->index, token, reason, seq->num_cached_tokens, seq};
     if (u.finish_reason != FinishReason::kNone) finish(seq, u.finish_reason);
     updates.push_back(std::move(u));
   };
@@ -393,8 +393,7 @@ bool Scheduler::finish_sequence(const std::string& request_id, int32_t index, Fi
 }
 
 std::vector<int32_t> Scheduler::output_token_ids(const std::string& request_id, int32_t index) const {
-  const SeqPtr seq = find_sequence(request_id, index);
-  return {seq->token_ids.begin() + seq->num_prompt_tokens, seq->token_ids.end() - seq->num_draft_tokens};
+  return find_sequence(request_id, index)->output_token_ids();
 }
 
 }  // namespace pagedserve

@@ -100,7 +100,9 @@ class Scheduler {
   // finished_by_caller (empty: all kNone; else one per sampled token, in the
   // same order) says what the caller found (stop strings, a grammar's end);
   // kStop wins, else the stop criteria (EOS, stop_token_ids: kStop; max_tokens,
-  // max_model_len: kLength, turned into kStop by kStopIfFinished). Throws
+  // max_model_len: kLength, turned into kStop by kStopIfFinished). Each update
+  // carries its Sequence, the one record of the tokens: a caller reads output
+  // tokens from it, also after the sequence finished and left the scheduler. Throws
   // InvalidArgumentError if a count differs from sum(num_samples) of the last output.
   std::vector<SequenceUpdate> update(const std::vector<int32_t>& sampled_token_ids,
                                      const std::vector<CallerFinish>& finished_by_caller = {});

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -54,6 +55,9 @@ struct SequenceUpdate {
   int32_t token_id = 0;
   FinishReason finish_reason = FinishReason::kNone;  // kNone: still running
   int32_t num_cached_tokens = 0;  // prompt tokens served from the prefix cache
+  // The sequence itself: the one record of its token ids, which the caller may
+  // keep and read (never change) after the scheduler has let go of it.
+  std::shared_ptr<const Sequence> sequence;
 };
 
 }  // namespace pagedserve

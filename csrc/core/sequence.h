@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -58,7 +59,12 @@ struct Sequence {
   int32_t num_draft_tokens = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
+  // Output tokens, unverified drafts included (none outside add_draft_tokens .. update).
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+  // The output so far: token_ids after the prompt, without unverified drafts.
+  std::vector<int32_t> output_token_ids() const {
+    return {token_ids.begin() + num_prompt_tokens, token_ids.end() - num_draft_tokens};
+  }
 };
 
 }  // namespace pagedserve

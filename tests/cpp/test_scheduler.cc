@@ -277,6 +277,32 @@ TEST(Scheduler, UpdateCombinesTheCallersStopsWithTheStopCriteria) {
   expect_all_free(s);
 }
 
+// Each update carries the sequence itself, the one record of its tokens: it
+// holds every committed output token (the forks' own), and a finished
+// sequence's record stays readable after the scheduler let go of it.
+TEST(Scheduler, UpdatesCarryTheSequenceRecordThatOutlivesTheScheduler) {
+  Scheduler s({8, 64, 256}, 16, 16);
+  s.add_request("a", prompt(3), stop_after(2), "", 2);
+  s.schedule();
+  auto ups = s.update({7, 8});
+  ASSERT_EQ(ups.size(), 2u);
+  std::shared_ptr<const Sequence> first = ups[0].sequence, second = ups[1].sequence;
+  ASSERT_TRUE(first && second);
+  EXPECT_NE(first, second);
+  EXPECT_EQ(second->index, 1);
+  EXPECT_EQ(first->output_token_ids(), (std::vector<int32_t>{7}));
+  EXPECT_EQ(second->output_token_ids(), (std::vector<int32_t>{8}));
+  s.schedule();
+  ups = s.update({9, 10});
+  EXPECT_EQ(ups[0].sequence, first);  // the same record, one token longer
+  EXPECT_EQ(first->output_token_ids(), (std::vector<int32_t>{7, 9}));
+  EXPECT_EQ(first->finish_reason, FinishReason::kLength);
+  EXPECT_FALSE(s.has_unfinished_requests());
+  EXPECT_THROW(s.output_token_ids("a", 1), UnknownRequestError);  // the scheduler let go ...
+  EXPECT_EQ(second->output_token_ids(), (std::vector<int32_t>{8, 10}));  // ... the record did not go
+  expect_all_free(s);
+}
+
 TEST(Scheduler, ManyRequestsUnderPressureAllFinishAndFreeEverything) {
   Scheduler s({6, 40, 512}, 12, 16);
   std::map<std::string, std::pair<int32_t, int32_t>> spec;

@@ -38,6 +38,24 @@ def test_scheduler_output_and_model_input_are_views_without_copies():
     assert u.request_id == "a" and u.token_id == 5 and not u.finished
 
 
+def test_an_update_hands_python_the_sequence_record_itself_read_only_and_outliving_the_scheduler():
+    s = _core.Scheduler(_core.SchedulerConfig(4, 64, 256), 8, 16)
+    s.add_request("a", [1, 2, 3], _core.StopCriteria(2), n_seqs=2)
+    s.schedule()
+    first, second = (u.sequence for u in s.update([5, 6]))
+    assert (first.request_id, first.index, second.index) == ("a", 0, 1)
+    assert first.output_token_ids == [5] and second.output_token_ids == [6] and first.num_prompt_tokens == 3
+    s.schedule()
+    [u, _] = s.update([7, 8])
+    assert u.sequence.output_token_ids == [5, 7] and first.output_token_ids == [5, 7]  # one record, read again
+    assert u.finished and first.finish_reason == _core.FinishReason.LENGTH and not s.has_unfinished_requests()
+    with pytest.raises(UnknownRequestError):  # the scheduler let go of it; the record Python holds stays
+        s.output_token_ids("a", 1)
+    assert second.output_token_ids == [6, 8] and second.num_output_tokens == 2
+    with pytest.raises(AttributeError):  # Python reads the record, never writes it
+        first.num_prompt_tokens = 0
+
+
 def test_every_core_error_is_a_pagedserve_error_and_the_matching_builtin():
     for cls, builtin in [(RequestRejectedError, ValueError), (UnknownRequestError, KeyError),
                          (InvalidArgumentError, ValueError), (errors.KernelArgumentError, ValueError),

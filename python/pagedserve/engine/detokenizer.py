@@ -40,6 +40,11 @@ class IncrementalDetokenizer:
         text = self._decode(self.ids[self.prefix_offset:])
         if len(text) > len(prefix) and not text.endswith("\ufffd"):
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            # only the window from prefix_offset is decoded again: the ids before it are dropped (the output's
+            # token ids are the scheduler's record, not this window's)
+            del self.ids[:self.prefix_offset]
+            self.read_offset -= self.prefix_offset
+            self.prefix_offset = 0
             return text[len(prefix):]
         return ""
 

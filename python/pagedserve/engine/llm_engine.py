@@ -232,10 +232,11 @@ class LLMEngine:
             return []
         batch = self._begin_step(out)
         result = self.runner.execute(batch.runner_input)  # 2. forward and sampling
-        logprob_of, kept = self._take_results(batch, result)
+        logprob_of, kept, ended_text = self._take_results(batch, result)
         # 3. this side's findings per token (text, stop strings, grammars), then the commit: update() is the one
         # place that decides which sequences end and why
-        finished_by_caller = [self._apply_sample(slot, token, kept.get(slot, ()), logprob_of.get(slot))
+        finished_by_caller = [self._apply_sample(slot, token, kept.get(slot, ()), logprob_of.get(slot),
+                                                 slot in ended_text)
                               for slot, token in zip(batch.slots, result.sampled.token_ids)]
         updates = self.scheduler.update(result.sampled.token_ids, finished_by_caller)
         return self._end_step(updates, sum(map(len, kept.values())))
@@ -257,10 +258,11 @@ class LLMEngine:
         return batch
 
     def _take_results(self, batch: StepBatch, result: StepOutput
-                      ) -> tuple[dict, dict[tuple[str, int], list[tuple[int, Logprob | None]]]]:
+                      ) -> tuple[dict, dict[tuple[str, int], list[tuple[int, Logprob | None]]], set]:
         """Hands the requests their prompt logprobs and pooled rows, verifies the
-        drafts; returns each sampled token's Logprob by slot (where asked) and
-        the kept drafts by slot (_verify_drafts)."""
+        drafts; returns each sampled token's Logprob by slot (where asked), and
+        the kept drafts by slot and the slots whose text a kept draft ended
+        (_verify_drafts)."""
         for req, rows, (lps, tops, ranks) in zip(batch.prompt_requests, batch.runner_input.prompt_logprobs,
                                                  result.prompt_logprobs):
             req.prompt_logprobs += [Logprob(t, lp, top, rank)
@@ -272,10 +274,10 @@ class LLMEngine:
         for slot, tok, lp, top in zip(batch.slots, sampled.token_ids, sampled.logprobs, sampled.top_logprobs):
             if lp is not None:
                 logprob_of[slot] = Logprob(tok, lp, top or [])
-        kept = self._verify_drafts(batch.drafts, result.draft_logits, batch.slots, sampled.token_ids, result.logits,
-                                   batch.slot_rows, logprob_of)
+        kept, ended_text = self._verify_drafts(batch.drafts, result.draft_logits, batch.slots, sampled.token_ids,
+                                               result.logits, batch.slot_rows, logprob_of)
         self.timelines.drafts_kept(kept)
-        return logprob_of, kept
+        return logprob_of, kept, ended_text
 
     def _end_step(self, updates, num_kept_drafts: int) -> list[RequestOutput | PoolingRequestOutput]:
         """Applies Scheduler.update's results (cached tokens, the finish reasons
@@ -287,26 +289,36 @@ class LLMEngine:
         for upd in updates:
             req = self.requests[upd.request_id]
             req.num_cached_tokens = upd.num_cached_tokens
+            choice = req.choices[upd.index]
+            if choice.sequence is None:  # its first token: from now on the choice reads its tokens there
+                choice.sequence = upd.sequence
             if upd.finished:
-                req.choices[upd.index].finish(upd.finish_reason_str)
+                choice.finish(upd.finish_reason_str)
             num_generated += req.pooler is None  # an embedding request's token ends its prefill: not output
             touched[req.request_id] = req
         return self._make_outputs(touched.values(), num_generated)
 
-    def _apply_sample(self, slot: tuple[str, int], token_id: int, kept_drafts, logprob: Logprob | None
-                      ) -> _core.CallerFinish:
-        """Gives choice `slot` (request id, index) its kept drafts and sampled
-        token (grammar, text, stop strings) and returns what this side found for
-        Scheduler.update: STOP for a stop string (the tokens after it are not
-        output), a grammar's end (e.g. with ignore_eos: it allows nothing after)
-        or an embedding request (its prompt is pooled, the token dropped);
-        STOP_IF_FINISHED when a stop string completes in held-back text; else NONE."""
+    def _apply_sample(self, slot: tuple[str, int], token_id: int, kept_drafts, logprob: Logprob | None,
+                      ended_text: bool = False) -> _core.CallerFinish:
+        """Gives choice `slot` (request id, index) its sampled token (grammar,
+        text, stop strings) and the Logprobs of it and its kept drafts (whose
+        text verification gave it already) and returns what this side found for
+        Scheduler.update: STOP for a stop string (ended_text: a kept draft's
+        text ended in one, and that draft is token_id), a grammar's end (e.g.
+        with ignore_eos: it allows nothing after) or an embedding request (its
+        prompt is pooled, the token dropped); STOP_IF_FINISHED when a stop
+        string completes in held-back text; else NONE."""
         req = self.requests[slot[0]]
         if req.pooler is not None:
             return _core.CallerFinish.STOP
         choice = req.choices[slot[1]]
+        for _, lp in kept_drafts:
+            choice.add_logprob(lp)
+        if ended_text:
+            choice.add_logprob(logprob)
+            return _core.CallerFinish.STOP
         grammar_ended = choice.grammar is not None and self._advance_grammar(choice, token_id)
-        if any(choice.append_token(t, lp) for t, lp in kept_drafts) or choice.append_token(token_id, logprob):
+        if choice.append_token(token_id, logprob):
             return _core.CallerFinish.STOP
         if grammar_ended:
             return _core.CallerFinish.STOP
@@ -314,16 +326,18 @@ class LLMEngine:
 
     def _verify_drafts(self, drafts, logits: torch.Tensor, slots: list[tuple[str, int]], sampled_tokens: list[int],
                        sampling_logits: torch.Tensor, slot_rows: list[int], logprob_of: dict
-                       ) -> dict[tuple[str, int], list[tuple[int, Logprob | None]]]:
-        """Verifies the step's drafts (SpeculativeDecoder.verify) from their
-        rows' logits [D, vocab] float32 and puts each sequence's token
+                       ) -> tuple[dict[tuple[str, int], list[tuple[int, Logprob | None]]], set[tuple[str, int]]]:
+        """Verifies the step's drafts (SpeculativeDecoder.verify, which gives
+        each kept draft's text to its choice and cuts at a stop string) from
+        their rows' logits [D, vocab] float32 and puts each sequence's token
         after its kept drafts in its place in sampled_tokens (the list update()
         takes) and, where the request asked for logprobs, that token's Logprob in
         logprob_of (by slot). sampling_logits [S, vocab]: the step's sampling
         rows; slot_rows[i]: the row slot i was sampled from. Returns the kept drafts per (request_id, choice index),
-        each with its Logprob (None where the request asked for none)."""
+        each with its Logprob (None where the request asked for none), and the
+        slots whose token is a kept draft that ended the text (Verified.ended_text)."""
         if not drafts:
-            return {}
+            return {}, set()
         where = {slot: i for i, slot in enumerate(slots)}
         live = [i for i, d in enumerate(drafts) if d.request_id in self.requests]
         if len(live) < len(drafts):  # a request ended between schedule() and here: its rows are skipped
@@ -331,15 +345,15 @@ class LLMEngine:
             logits = torch.cat([logits[starts[i]:starts[i + 1]] for i in live]) if live else logits[:0]
             drafts = [drafts[i] for i in live]
             if not drafts:
-                return {}
+                return {}, set()
         pos = [where[(d.request_id, d.index)] for d in drafts]
         reqs = [self.requests[d.request_id] for d in drafts]
         choices = [r.choices[d.index] for r, d in zip(reqs, drafts)]
         slot_logits = {i: sampling_logits[slot_rows[i]] for i in pos}
         verified = self.spec_decoder.verify(drafts, logits, [sampled_tokens[i] for i in pos], [r.params for r in reqs],
                                             [c.generator for c in choices], [c.grammar for c in choices],
-                                            [slot_logits[i] for i in pos])
-        kept = {}
+                                            [slot_logits[i] for i in pos], [c.add_text for c in choices])
+        kept, ended_text = {}, set()
         for d, v, i, r in zip(drafts, verified, pos, reqs):
             slot = (d.request_id, d.index)
             n_top = r.params.logprobs
@@ -354,11 +368,13 @@ class LLMEngine:
                 if v.token_row is not None or v.token_id != sampled_tokens[i]:
                     logprob_of[slot] = entries[-1]
             sampled_tokens[i] = v.token_id
+            if v.ended_text:
+                ended_text.add(slot)
             r.num_draft_tokens += len(d.drafts)
             r.num_accepted_tokens += len(v.accepted)
         self.metrics.observe_spec_decode(len(drafts), sum(len(d.drafts) for d in drafts),
                                          sum(len(v.accepted) for v in verified))
-        return kept
+        return kept, ended_text
 
     @staticmethod
     def _advance_grammar(choice, token_id: int) -> bool:
@@ -424,10 +440,11 @@ class LLMEngine:
         request: its finish reason, the prompt and its output length, the latency;
         with speculative decoding, a log line of the request's acceptance."""
         e2e = (req.finished_time or time.monotonic()) - req.arrival_time
-        for c in req.choices:
-            self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids), len(c.output_token_ids), e2e)
+        for c in req.choices:  # an embedding request's one token ends its prefill: no output
+            self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids),
+                                          0 if req.pooler is not None else c.num_output_tokens, e2e)
         if self.spec_decoder is not None:  # in the words of the start-up line "speculative decoding: ..."
-            outputs = sum(len(c.output_token_ids) for c in req.choices)
+            outputs = sum(c.num_output_tokens for c in req.choices)
             logger.info("request %s: speculative decoding: %d of %d draft tokens accepted (%s), %d output tokens",
                         req.request_id, req.num_accepted_tokens, req.num_draft_tokens,
                         f"{100 * req.num_accepted_tokens / req.num_draft_tokens:.0f}%" if req.num_draft_tokens

@@ -1,6 +1,7 @@
 """Request: the Python side of one request (text, detokenizer, stop strings,
-sampling generators, timings), one Choice per sampled sequence (n). Token
-bookkeeping lives in the C++ scheduler."""
+sampling generators, timings), one Choice per sampled sequence (n). The
+token ids live in one record, the C++ scheduler's Sequence: a Choice reads
+its output tokens from it and keeps no copy."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .outputs import CompletionOutput, Logprob, PoolingRequestOutput, RequestOut
 from .stop import StopStringMatcher
 
 if TYPE_CHECKING:
+    from .. import _core
     from ..structured_output import GrammarState
     from .pooling import Pooler
     from .timeline import RequestTimeline
@@ -23,13 +25,18 @@ if TYPE_CHECKING:
 
 @dataclass
 class Choice:
-    """One sampled sequence of a request (choice `index` of n)."""
+    """One sampled sequence of a request (choice `index` of n): its text,
+    stop strings, generator, grammar and logprobs. Its token ids are the C++
+    scheduler's Sequence (`sequence`, the record Scheduler.update hands back
+    with the choice's first token); it keeps no copy of its own: output_token_ids
+    reads them from the record."""
 
     index: int
     detokenizer: IncrementalDetokenizer | None
     generator: torch.Generator | None
     stop: StopStringMatcher
-    output_token_ids: list[int] = field(default_factory=list)
+    sequence: _core.Sequence | None = None  # the choice's token record, from its first Scheduler.update on
+    num_text_tokens: int = 0  # tokens given to append_token (its text)
     released: int = 0  # characters of stop.text already handed out
     emitted_tokens: int = 0  # output tokens already handed out
     finish_reason: str | None = None
@@ -38,15 +45,36 @@ class Choice:
     stop_token_ids: frozenset[int] = frozenset()  # the request's stop_token_ids (stop_reason)
     min_tokens: int = 0  # stop strings end the output only once it has this many tokens (vLLM's)
 
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output token ids committed so far (Scheduler.update), read from
+        the C++ record; [] before the first."""
+        return self.sequence.output_token_ids if self.sequence is not None else []
+
+    @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids), without copying them."""
+        return self.sequence.num_output_tokens if self.sequence is not None else 0
+
     def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:
-        """Adds a sampled token (and its Logprob, if the request wants logprobs) and
-        its text; returns True if a stop string ended the output."""
-        self.output_token_ids.append(token_id)
+        """Adds a sampled token's Logprob (add_logprob) and text (add_text),
+        before Scheduler.update commits the token to the record; returns True
+        if a stop string ended the output."""
+        self.add_logprob(logprob)
+        return self.add_text(token_id)
+
+    def add_logprob(self, logprob: Logprob | None) -> None:
+        """Keeps the next output token's Logprob if the request wants logprobs."""
         if self.logprobs is not None and logprob is not None:
             self.logprobs.append(logprob)
+
+    def add_text(self, token_id: int) -> bool:
+        """Adds the next output token's text; True if a stop string ended the
+        output there (checked once the output has min_tokens tokens)."""
+        self.num_text_tokens += 1
         if self.detokenizer is None:
             return False
-        return self.stop.append(self.detokenizer.step(token_id), check=len(self.output_token_ids) >= self.min_tokens)
+        return self.stop.append(self.detokenizer.step(token_id), check=self.num_text_tokens >= self.min_tokens)
 
     def stop_if_finished(self) -> bool:
         """Whether a stop string completes in the text the detokenizer still
@@ -76,8 +104,9 @@ class Choice:
             return None
         if self.stop.matched is not None:
             return self.stop.matched
-        if self.output_token_ids and self.output_token_ids[-1] in self.stop_token_ids:
-            return self.output_token_ids[-1]
+        ids = self.output_token_ids
+        if ids and ids[-1] in self.stop_token_ids:
+            return ids[-1]
         return None
 
     def make_output(self) -> CompletionOutput:
@@ -87,10 +116,11 @@ class Choice:
         end = max(end, self.released)
         delta = self.stop.text[self.released:end]
         self.released = end
-        new_ids = self.output_token_ids[self.emitted_tokens:]
+        ids = self.output_token_ids
+        new_ids = ids[self.emitted_tokens:]
         new_logprobs = self.logprobs[self.emitted_tokens:] if self.logprobs is not None else None
-        self.emitted_tokens = len(self.output_token_ids)
-        return CompletionOutput(index=self.index, text=self.stop.text[:end], token_ids=list(self.output_token_ids),
+        self.emitted_tokens = len(ids)
+        return CompletionOutput(index=self.index, text=self.stop.text[:end], token_ids=ids,
                                 delta_text=delta, delta_token_ids=new_ids, finish_reason=self.finish_reason,
                                 stop_reason=self.stop_reason,
                                 logprobs=list(self.logprobs) if self.logprobs is not None else None,

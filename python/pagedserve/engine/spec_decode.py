@@ -43,6 +43,7 @@ step in the same batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,12 +84,15 @@ class Verified:
             rejected or stopping draft's position), or None for the step's
             sampling row (token_id then differs from that row's ordinary draw
             only for a constrained choice, redrawn in its advanced grammar state).
+        ended_text: token_id is a kept draft whose text completed a stop string
+            (verify's add_text said so; its text is the choice's already).
     """
 
     accepted: list[int]
     token_id: int
     rows: list[int]
     token_row: int | None = None
+    ended_text: bool = False
 
 
 def eligible(params: SamplingParams) -> bool:
@@ -120,7 +124,7 @@ class SpeculativeDecoder:
             if not eligible(req.params) or req.finished:
                 continue
             for choice in req.choices:
-                if choice.finish_reason is not None or not choice.output_token_ids:
+                if choice.finish_reason is not None or not choice.num_output_tokens:
                     continue
                 draft = self.proposer.propose(req.prompt_token_ids + choice.output_token_ids)
                 if draft:
@@ -144,23 +148,30 @@ class SpeculativeDecoder:
 
     def verify(self, drafts: list[DraftRows], logits: torch.Tensor, last_tokens: list[int],
                params: list[SamplingParams], generators: list[torch.Generator | None] | None = None,
-               grammars: list | None = None, last_logits: list[torch.Tensor] | None = None) -> list[Verified]:
+               grammars: list | None = None, last_logits: list[torch.Tensor] | None = None,
+               add_text: list[Callable[[int], bool]] | None = None) -> list[Verified]:
         """For each sequence (logits [sum of len(rows), V] float32, row after
         row; last_tokens[i]: the step's sampled token after all of sequence
         i's drafts; generators[i]: its choice's generator, None for torch's
         default; grammars[i]: its choice's GrammarState or None; last_logits[i]:
-        [V] its sampling row's logits, read only for a constrained choice):
+        [V] its sampling row's logits, read only for a constrained choice;
+        add_text[i]: gives a kept draft's text to sequence i's choice and says
+        whether a stop string ended there, None: no text):
         the drafts kept (greedy: the leading ones equal to their rows' argmax,
         masked by the grammar if any; temperature > 0: speculative sampling,
-        see the module docstring), cut after a stop token, which then becomes
-        the sampled token; else the token after them. Advances each grammar by
-        the kept drafts. Tells the scheduler how many it keeps
-        (accept_draft_tokens)."""
+        see the module docstring), cut at a stop token or at a draft whose text
+        ends in a stop string, which then becomes the sampled token
+        (Verified.ended_text for the latter); else the token after them.
+        Advances each grammar by the kept drafts. Tells the scheduler how many
+        it keeps (accept_draft_tokens), so the output committed to its
+        record ends where the text does."""
         argmax = logits.numpy().argmax(axis=1).tolist() if logits.shape[0] else []
         generators = generators or [None] * len(drafts)
         grammars = grammars or [None] * len(drafts)
+        add_text = add_text or [None] * len(drafts)
         results, at = [], 0
-        for i, (d, last, p, g, grammar) in enumerate(zip(drafts, last_tokens, params, generators, grammars)):
+        for i, (d, last, p, g, grammar, text) in enumerate(zip(drafts, last_tokens, params, generators, grammars,
+                                                                add_text)):
             rows = range(at, at + len(d.drafts))
             at += len(d.drafts)
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_token_ids)
@@ -175,6 +186,9 @@ class SpeculativeDecoder:
                 keep, other = self._judge(draft, x, best, p, g)
                 if not keep or draft in stops:  # a stop token ends the sequence: it becomes the sampled one
                     v.token_id, v.token_row = (draft if keep else other), row
+                    break
+                if text is not None and text(draft):  # so does a draft that completes a stop string
+                    v.token_id, v.token_row, v.ended_text = draft, row, True
                     break
                 v.accepted.append(draft)
                 v.rows.append(row)

@@ -37,7 +37,7 @@ class StepBatch:
 def build_step_batch(out, requests: dict[str, Request], spec_decoder=None) -> StepBatch:
     """Lays out the SchedulerOutput ``out`` (``_core.ModelInput``) and collects
     its rows: one SamplingRow per sampling sequence (its choices' generators,
-    output tokens and grammars), the prompt positions to score for requests
+    output tokens where penalties or token filters read them, and grammars), the prompt positions to score for requests
     that want prompt logprobs and prefill this step, the positions embedding
     requests pool (positions already scored or pooled before a preemption are
     skipped), and the draft rows. requests: the engine's live requests by id."""
@@ -49,8 +49,10 @@ def build_step_batch(out, requests: dict[str, Request], spec_decoder=None) -> St
         req, first = requests[request_ids[b]], seq_indices[b]
         choices = [req.choices[first + j] for j in range(k)]
         grammars = [c.grammar for c in choices] if req.params.structured_outputs is not None else None
-        rows.append(SamplingRow(req.params, [c.generator for c in choices], req.prompt_token_ids,
-                                [c.output_token_ids for c in choices], grammars))
+        p = req.params  # the sampler reads output tokens only for these: copy them out of the records only then
+        outputs = ([c.output_token_ids for c in choices] if p.has_penalties or p.has_token_filters
+                   else [()] * k)
+        rows.append(SamplingRow(p, [c.generator for c in choices], req.prompt_token_ids, outputs, grammars))
         slots += [(req.request_id, first + j) for j in range(k)]
         slot_rows += [len(rows) - 1] * k
     scored, prompt_requests, pooled, pooled_requests = [], [], [], []

@@ -85,7 +85,7 @@ class RequestTimeline:
         hit and finish reasons are fixed now."""
         now = req.finished_time or time.monotonic()
         if req.pooler is None:
-            outputs = [len(c.output_token_ids) for c in req.choices]
+            outputs = [c.num_output_tokens for c in req.choices]
             first, last = req.first_token_time, req.last_token_time
         else:  # an embedding request: no output tokens (its one sampled token is dropped)
             outputs, first, last = [0], None, None

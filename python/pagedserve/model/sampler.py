@@ -28,7 +28,7 @@ class SamplingRow:
         prompt_token_ids: the request's prompt (repetition penalty only).
         output_token_ids: per draw, that choice's output tokens so far (same
             length as generators; read only when params.has_penalties or
-            params.has_token_filters).
+            params.has_token_filters, and may be empty otherwise).
         grammars: per draw, that choice's GrammarState (structured outputs:
             tokens its grammar cannot take next are masked before penalties
             and sampling), or None for an unconstrained row.
