@@ -351,6 +351,7 @@ Scheduler::SeqPtr Scheduler::fork(const SeqPtr& parent, int32_t index) {
 }
 
 void Scheduler::finish(const SeqPtr& seq, FinishReason reason) {
+  drop_drafts(*seq, seq->num_draft_tokens);  // an abort between schedule() and update(): never output
   kv_.free(seq->seq_id);
   if (seq->status == SequenceStatus::kRunning) {
     running_.erase(std::find(running_.begin(), running_.end(), seq));

@@ -59,7 +59,8 @@ struct Sequence {
   int32_t num_draft_tokens = 0;
 
   int32_t num_tokens() const { return static_cast<int32_t>(token_ids.size()); }
-  // Output tokens, unverified drafts included (none outside add_draft_tokens .. update).
+  // Output tokens, unverified drafts included (a running sequence's, from add_draft_tokens
+  // until update(); a finished sequence has none).
   int32_t num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
   // The output so far: token_ids after the prompt, without unverified drafts.
   std::vector<int32_t> output_token_ids() const {

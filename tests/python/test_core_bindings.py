@@ -56,6 +56,17 @@ def test_an_update_hands_python_the_sequence_record_itself_read_only_and_outlivi
         first.num_prompt_tokens = 0
 
 
+def test_a_record_aborted_with_unverified_drafts_keeps_only_its_output():
+    s = _core.Scheduler(_core.SchedulerConfig(4, 64, 256), 8, 16)
+    s.add_request("a", [1, 2, 3], _core.StopCriteria(10))
+    s.schedule()
+    [u] = s.update([5])
+    assert s.add_draft_tokens("a", 0, [6, 7, 8]) == 3
+    s.schedule()  # the drafts are scheduled: a step fails here, say, and the request is aborted
+    assert s.abort("a")
+    assert u.sequence.output_token_ids == [5] and u.sequence.num_output_tokens == 1
+
+
 def test_every_core_error_is_a_pagedserve_error_and_the_matching_builtin():
     for cls, builtin in [(RequestRejectedError, ValueError), (UnknownRequestError, KeyError),
                          (InvalidArgumentError, ValueError), (errors.KernelArgumentError, ValueError),

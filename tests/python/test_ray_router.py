@@ -128,7 +128,7 @@ def test_report_from_stats_reads_an_empty_report():
 
 def test_the_ingress_hashes_the_tokens_the_server_serves(server):
     """The ingress's block hashes (ray_app.Ingress.block_hashes: its own
-    tokenization and chat template) equal the hashes of the token ids the
+    tokenization, and the server's ChatRenderer for chats) equal the hashes of the token ids the
     server itself builds for the same request (/tokenize), salts included:
     otherwise the router would chase prefixes no replica caches."""
     import json
@@ -140,8 +140,12 @@ def test_the_ingress_hashes_the_tokens_the_server_serves(server):
 
     ingress = Ingress(None, build_parser().parse_args([]))
     messages = [{"role": "system", "content": "You answer in one word. " * 12}, {"role": "user", "content": "Hi"}]
+    # content as parts: the server joins them (ChatMessage.template_dict) before the template sees them
+    parts = [{**messages[0], "content": [{"type": "text", "text": "You answer "},
+                                         {"type": "text", "text": "in one word. " * 12}]}, messages[1]]
     prompt = "paged attention " * 30
     for path, body, tokenize in (("/v1/chat/completions", {"messages": messages}, {"messages": messages}),
+                                 ("/v1/chat/completions", {"messages": parts}, {"messages": parts}),
                                  ("/v1/completions", {"prompt": prompt}, {"prompt": prompt})):
         ids = httpx.post(server + "/tokenize", json=tokenize, timeout=60).json()["tokens"]
         hashes = ingress.block_hashes(path, json.dumps(body).encode())

@@ -190,19 +190,17 @@ def test_template_requests_the_template_cannot_do_are_refused_by_name(server, ex
 
 def test_template_variables_are_passed_when_the_template_reads_them(smollm2_dir):
     """SmolLM2's own template reads none of them, so this renders with one that does."""
-    from types import SimpleNamespace
-
     from transformers import AutoTokenizer
 
+    from pagedserve.server.chat_render import ChatRenderer
     from pagedserve.server.protocol import ChatTemplateFields
-    from pagedserve.server.serving_chat import OpenAIServingChat
+    from pagedserve.server.tool_parsers import PARSERS
 
     tok = AutoTokenizer.from_pretrained(smollm2_dir)
     tok.chat_template = ("{% for d in documents or [] %}[doc {{ d.title }}]{% endfor %}"
                          "{% if enable_thinking %}<think>{% endif %}{{ reasoning_effort or '' }}"
                          "{% for m in messages %}{{ m.role }}:{{ m.content }}|{% endfor %}")
-    chat = object.__new__(OpenAIServingChat)
-    chat.core = SimpleNamespace(tokenizer=tok)
+    chat = ChatRenderer(tok, PARSERS["hermes"])
     messages = ChatCompletionRequest.model_validate(CONTINUE).messages
 
     def text(**fields) -> str:

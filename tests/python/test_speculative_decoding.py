@@ -67,6 +67,28 @@ def test_verification_keeps_the_matching_prefix_and_stops_at_a_stop_token():
     assert sched.accepted == [("a", 0, 2), ("b", 0, 2), ("c", 0, 1), ("d", 0, 3)]
 
 
+def test_a_kept_draft_whose_text_ends_in_a_stop_string_becomes_the_sampled_token():
+    """verify() gives each kept draft's text to its choice (add_text) and cuts
+    there when a stop string ends: that draft is the sampled token and the
+    scheduler keeps only the drafts before it, so the output ends with the text."""
+    sched = _Scheduler()
+    spec = SpeculativeDecoder(sched, NgramProposer(3), eos_token_ids=[2])
+    rows = torch.zeros(4, 16)
+    rows[torch.arange(4), torch.tensor([5, 6, 7, 8])] = 1.0  # the model agrees with every draft
+    seen = []
+
+    def add_text(token):  # a stop string completes with token 6's text
+        seen.append(token)
+        return token == 6
+
+    greedy = SamplingParams(temperature=0, max_tokens=10)
+    [v, w] = spec.verify([DraftRows("a", 0, [5, 6, 7], [0, 1, 2]), DraftRows("b", 0, [8], [3])], rows, [11, 12],
+                         [greedy, greedy], add_text=[add_text, lambda token: False])
+    assert (v.accepted, v.token_id, v.token_row, v.ended_text) == ([5], 6, 1, True)
+    assert (w.accepted, w.token_id, w.ended_text) == ([8], 12, False)
+    assert seen == [5, 6] and sched.accepted == [("a", 0, 1), ("b", 0, 1)]
+
+
 class _Grammar:
     """A GrammarState stand-in: allows the tokens of `allowed` (any order) and
     records what it accepts."""

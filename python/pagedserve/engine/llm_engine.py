@@ -280,10 +280,8 @@ class LLMEngine:
         return logprob_of, kept, ended_text
 
     def _end_step(self, updates, num_kept_drafts: int) -> list[RequestOutput | PoolingRequestOutput]:
-        """Applies Scheduler.update's results (cached tokens, the finish reasons
-        it decided) and makes the step's outputs."""
-        if self.kv_events is not None:  # what this step's schedule() evicted and update() cached
-            self.kv_events.publish(self.scheduler.take_kv_events())
+        """Applies Scheduler.update's results (each choice's token record, cached
+        tokens, the finish reasons it decided) and makes the step's outputs."""
         touched: dict[str, Request] = {}
         num_generated = num_kept_drafts
         for upd in updates:
@@ -296,6 +294,8 @@ class LLMEngine:
                 choice.finish(upd.finish_reason_str)
             num_generated += req.pooler is None  # an embedding request's token ends its prefill: not output
             touched[req.request_id] = req
+        if self.kv_events is not None:  # what this step's schedule() evicted and update() cached
+            self.kv_events.publish(self.scheduler.take_kv_events())
         return self._make_outputs(touched.values(), num_generated)
 
     def _apply_sample(self, slot: tuple[str, int], token_id: int, kept_drafts, logprob: Logprob | None,
@@ -440,11 +440,12 @@ class LLMEngine:
         request: its finish reason, the prompt and its output length, the latency;
         with speculative decoding, a log line of the request's acceptance."""
         e2e = (req.finished_time or time.monotonic()) - req.arrival_time
-        for c in req.choices:  # an embedding request's one token ends its prefill: no output
-            self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids),
-                                          0 if req.pooler is not None else c.num_output_tokens, e2e)
+        # an embedding request's one token ends its prefill: it has no output
+        lengths = [0 if req.pooler is not None else c.num_output_tokens for c in req.choices]
+        for c, n in zip(req.choices, lengths):
+            self.metrics.observe_finished(c.finish_reason, len(req.prompt_token_ids), n, e2e)
         if self.spec_decoder is not None:  # in the words of the start-up line "speculative decoding: ..."
-            outputs = sum(c.num_output_tokens for c in req.choices)
+            outputs = sum(lengths)
             logger.info("request %s: speculative decoding: %d of %d draft tokens accepted (%s), %d output tokens",
                         req.request_id, req.num_accepted_tokens, req.num_draft_tokens,
                         f"{100 * req.num_accepted_tokens / req.num_draft_tokens:.0f}%" if req.num_draft_tokens

@@ -53,7 +53,9 @@ class Choice:
 
     @property
     def num_output_tokens(self) -> int:
-        """len(output_token_ids), without copying them."""
+        """len(output_token_ids), without copying them (Sequence.num_output_tokens:
+        unverified drafts count only while the scheduler runs the sequence,
+        between add_draft_tokens and update; a finished record has none)."""
         return self.sequence.num_output_tokens if self.sequence is not None else 0
 
     def append_token(self, token_id: int, logprob: Logprob | None = None) -> bool:

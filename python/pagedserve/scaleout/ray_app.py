@@ -39,8 +39,11 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from ..server.chat_render import ChatRenderer, template_source
 from ..server.errors import error_response
 from ..server.middleware import body_too_large
+from ..server.protocol import ChatCompletionRequest
+from ..server.tool_parsers import choose_tool_parser
 
 from .asgi_forward import ResponseStart, forward_request
 from .ray_router import pack_hash_prefixes
@@ -168,19 +171,24 @@ class Ingress:
         self.engine = engine
         self.block_size = args.block_size
         self.max_body_bytes = args.max_request_body_size
-        self.tokenizer = None
+        self.tokenizer = self.renderer = None
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
             from ..model.loader import resolve_model_path
 
             self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model)[0])
+            source = template_source(self.tokenizer) if getattr(self.tokenizer, "chat_template", None) else ""
+            self.renderer = ChatRenderer(self.tokenizer, choose_tool_parser(args.tool_call_parser, source)[0],
+                                         args.trust_request_chat_template)
 
     def block_hashes(self, path: str, body: bytes) -> list[bytes]:
         """The request's prompt block hashes as the replica's prefix cache will
-        compute them: a completion's (first) prompt, a chat's messages through
-        the chat template; [] for other routes or what cannot be read (a miss
-        for the router, never an error: the replica answers the request)."""
+        compute them: a completion's (first) prompt, a chat's messages rendered
+        as the replica's server renders them (the same ChatRenderer: template
+        fields, the tools its ToolPlan shows; truncate_prompt_tokens is not
+        applied); [] for other routes or what cannot be read (a miss for the
+        router, never an error: the replica answers the request)."""
         try:
             req = json.loads(body)
             salt = req.get("cache_salt") or ""
@@ -194,12 +202,10 @@ class Ingress:
                     prompt = self.tokenizer(prompt, add_special_tokens=req.get("add_special_tokens") is not False
                                             ).input_ids
                 ids = prompt
-            elif path == "/v1/chat/completions" and self.tokenizer is not None:
-                ids = self.tokenizer.apply_chat_template(
-                    req["messages"], tools=req.get("tools"), tokenize=True, return_dict=False,
-                    add_generation_prompt=req.get("add_generation_prompt", True),
-                    continue_final_message=req.get("continue_final_message", False),
-                    **(req.get("chat_template_kwargs") or {}))
+            elif path == "/v1/chat/completions" and self.renderer is not None:
+                chat = ChatCompletionRequest.model_validate(req)
+                ids = self.renderer.render(chat.messages, chat, chat.add_special_tokens,
+                                           self.renderer.plan(chat).tools)
             else:
                 return []
             return prompt_block_hashes([int(t) for t in ids], self.block_size, salt)

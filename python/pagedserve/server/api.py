@@ -30,6 +30,7 @@ from .anthropic_protocol import (
     MessageResponse,
     MessagesRequest,
 )
+from .chat_render import template_source
 from .embeddings_protocol import EmbeddingRequest, EmbeddingResponse
 from .errors import APIError, install_error_handlers
 from .middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
@@ -48,7 +49,7 @@ from .protocol import (
     TokenizeResponse,
 )
 from .responses_protocol import ResponseObject, ResponsesRequest
-from .serving_chat import OpenAIServingChat, template_source
+from .serving_chat import OpenAIServingChat
 from .serving_completion import OpenAIServingCompletion
 from .serving_embedding import OpenAIServingEmbedding
 from .serving_messages import AnthropicServingMessages
@@ -227,7 +228,7 @@ def create_app(engine: AsyncLLMEngine, api_key: str | None = None,
 
         def encode() -> list[int]:
             if req.messages is not None:
-                return chat.render(req.messages, req, bool(req.add_special_tokens),
+                return chat.renderer.render(req.messages, req, bool(req.add_special_tokens),
                                    check_tools(req.tools) if req.tools else None)
             try:
                 return core.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens is not False).input_ids

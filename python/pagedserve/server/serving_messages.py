@@ -37,8 +37,7 @@ from .anthropic_protocol import (
 )
 from .errors import APIError
 from .protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
-from .serving_chat import OpenAIServingChat, chat_request, template_reads_tools
-from .tool_calls import plan_tools
+from .serving_chat import OpenAIServingChat, chat_request
 
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
@@ -196,7 +195,7 @@ class AnthropicServingMessages:
         """The prompt's tokens as /v1/messages would render it (tools included)."""
         self.chat.check_model(req.model)
         chat_req = chat_request({"model": req.model, "messages": _messages(req), **_tools(req)})
-        tok = self.chat.core.tokenizer
-        plan = plan_tools(chat_req, tok is not None and template_reads_tools(tok), self.chat.tool_parser)
-        ids = await run_in_threadpool(self.chat.render, chat_req.messages, chat_req, False, plan.tools)
+        renderer = self.chat.renderer
+        tools = renderer.plan(chat_req).tools
+        ids = await run_in_threadpool(renderer.render, chat_req.messages, chat_req, False, tools)
         return CountTokensResponse(input_tokens=len(ids))

@@ -32,7 +32,8 @@ from fastapi.responses import StreamingResponse
 from .errors import APIError
 from .protocol import ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse
 from .responses_protocol import ResponseObject, ResponsesRequest, new_id
-from .serving_chat import OpenAIServingChat, chat_request, template_source, template_variables
+from .chat_render import template_source, template_variables
+from .serving_chat import OpenAIServingChat, chat_request
 
 
 def _text_of(content, where: str) -> str:
