@@ -39,11 +39,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from ..server.chat_render import ChatRenderer, template_source
+from ..server.chat_render import ChatRenderer
 from ..server.errors import error_response
 from ..server.middleware import body_too_large
 from ..server.protocol import ChatCompletionRequest
-from ..server.tool_parsers import choose_tool_parser
 
 from .asgi_forward import ResponseStart, forward_request
 from .ray_router import pack_hash_prefixes
@@ -178,9 +177,7 @@ class Ingress:
             from ..model.loader import resolve_model_path
 
             self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model)[0])
-            source = template_source(self.tokenizer) if getattr(self.tokenizer, "chat_template", None) else ""
-            self.renderer = ChatRenderer(self.tokenizer, choose_tool_parser(args.tool_call_parser, source)[0],
-                                         args.trust_request_chat_template)
+            self.renderer = ChatRenderer.for_server(self.tokenizer, args)[0]
 
     def block_hashes(self, path: str, body: bytes) -> list[bytes]:
         """The request's prompt block hashes as the replica's prefix cache will

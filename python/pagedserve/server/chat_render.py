@@ -16,7 +16,7 @@ from .errors import APIError
 from .protocol import ChatCompletionRequest, ChatMessage, ChatTemplateFields
 from .template_guard import check_request_template, render_bounded
 from .tool_calls import TEMPLATE_HINT, ToolPlan, plan_tools
-from .tool_parsers import ToolParser
+from .tool_parsers import ToolParser, choose_tool_parser
 
 
 # apply_chat_template's own arguments and what the server passes itself
@@ -64,6 +64,16 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.tool_parser = tool_parser
         self.trust_request_chat_template = trust_request_chat_template
+
+    @classmethod
+    def for_server(cls, tokenizer, args) -> tuple[ChatRenderer, str]:
+        """The renderer of a server started with ``args`` (its
+        --tool-call-parser and --trust-request-chat-template): the tool-call
+        format chosen for the model's template (tool_parsers.choose_tool_parser),
+        and why that one."""
+        has_template = tokenizer is not None and getattr(tokenizer, "chat_template", None)
+        parser, why = choose_tool_parser(args.tool_call_parser, template_source(tokenizer) if has_template else "")
+        return cls(tokenizer, parser, args.trust_request_chat_template), why
 
     def plan(self, req: ChatCompletionRequest) -> ToolPlan:
         """The request's ToolPlan (tool_calls.plan_tools): which tools the

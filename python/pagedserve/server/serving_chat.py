@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ..engine.outputs import RequestOutput
 from ..reasoning import ReasoningParser, ReasoningStreamer, reasoning_token_count
-from .chat_render import ChatRenderer, template_source
+from .chat_render import ChatRenderer
 from .errors import APIError
 from .logprobs import chat_logprobs, prompt_logprobs
 from .protocol import (
@@ -31,7 +31,6 @@ from .protocol import (
 from .serving import SSE_DONE, OpenAIServing, response_id, sse, usage_of
 from .structured_outputs import check_compiles, constraint_of
 from .tool_calls import ToolCallStreamer, ToolPlan, finish_reason, parse_output
-from .tool_parsers import choose_tool_parser
 
 
 logger = logging.getLogger(__name__)
@@ -51,11 +50,8 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine) -> None:
         super().__init__(engine)
-        tok = self.core.tokenizer
-        template = template_source(tok) if tok is not None and getattr(tok, "chat_template", None) else ""
-        self.tool_parser, why = choose_tool_parser(self.core.args.tool_call_parser, template)
-        logger.info("tool calls: %s format (%s)", self.tool_parser.name, why)
-        self.renderer = ChatRenderer(tok, self.tool_parser, self.core.args.trust_request_chat_template)
+        self.renderer, why = ChatRenderer.for_server(self.core.tokenizer, self.core.args)
+        logger.info("tool calls: %s format (%s)", self.renderer.tool_parser.name, why)
 
     def reasoning_closed(self, messages: list[ChatMessage], template: ChatTemplateFields,
                          tools: list[dict] | None) -> bool:
