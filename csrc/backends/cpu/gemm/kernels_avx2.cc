@@ -319,7 +319,7 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * nb * kTile;
-  const uint8_t* pf = g + 1 < groups ? t + nb * kTile : nullptr;
+  const uint8_t* pf = g + 2 < groups ? t + 2 * nb * kTile : nullptr;  // the group after next, into L2 (as f32_pass_direct_pair's, below)
   const float* xr[R];  // x[t0 + i0 + i, k] at xr[i][k]
   for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i0 + i) * a.k;
   __m256 acc[2][R];
@@ -328,7 +328,7 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
   }
   for (int64_t b = 0; b < nb; ++b, t += kTile) {
     if (pf != nullptr) {
-      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T1);
       pf += kTile;
     }
     __m256 d[2], m[2];
@@ -363,8 +363,11 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows, group_bytes = nb * kTile;
   const uint8_t* t[2] = {a.w + g * group_bytes, a.w + (g + 1) * group_bytes};
-  const uint8_t* pf = g + 2 < groups ? t[1] + group_bytes : nullptr;  // the next pair's first group
-  const int64_t pf_groups = g + 3 < groups ? 2 : 1;
+  // the pair after next, into L2: the next pair's tiles (tens of KB at a model's K) prefetched into L1 evicted
+  // the lines being read before they were used, and one pair ahead was too late to hide memory's latency
+  // (docs/benchmarks.md, "Behind the code")
+  const uint8_t* pf = g + 4 < groups ? t[1] + 3 * group_bytes : nullptr;
+  const int64_t pf_groups = g + 5 < groups ? 2 : 1;
   const float* xr = a.x + r * a.k;
   __m256 acc[2][2];
   for (auto& row : acc) {
@@ -374,7 +377,7 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
     if (pf != nullptr) {
       for (int64_t p = 0; p < pf_groups; ++p) {
         for (int j = 0; j < kLines; ++j) {
-          _mm_prefetch(reinterpret_cast<const char*>(pf + p * group_bytes) + 64 * j, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(pf + p * group_bytes) + 64 * j, _MM_HINT_T1);
         }
       }
       pf += kTile;

@@ -121,9 +121,11 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
 // unpacked one 4-element group c at a time (one weight register), used by the
 // R rows in turn: R independent vpdpbusd chains (two per row when R <= 2, to
 // hide the latency), then per row the float epilogue.
-// pf: nullptr, or the next row group's tiles, prefetched block by block (a
-// model's weights do not stay in the caches from one step to the next; once a
-// group's first pass has brought its tiles in, the other passes find them in L1).
+// pf: nullptr, or the next row group's tiles, prefetched block by block into
+// L2 (a model's weights do not stay in the caches from one step to the next;
+// once a group's first pass has brought its tiles in, the other passes find
+// them in L1 or L2). Into L1 they evicted lines still to be read: a cold
+// GEMV read its tiles 20-50% slower (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -141,7 +143,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
   for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m, xsum128 += m) {
     if (pf != nullptr) {
-      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T0);
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T1);
       pf += kTile;
     }
     __m512i s[C][R];
@@ -174,7 +176,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 }
 
 // Row group by row group; the first pass over a group prefetches the next one
-// (one group ahead: its first pass then finds the tiles in L1 or L2 instead of
+// (one group ahead: its first pass then finds the tiles in L2 instead of
 // waiting on L3 / memory).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
@@ -291,7 +293,11 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
   _mm512_mask_storeu_ps(a.out + r * a.ldo + c0, mask, v);
 }
 
-// Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups).
+// Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups)
+// into L2, not L1: the callers prefetch whole row groups ahead (tens of KB at
+// a model's K), which in L1 (32-48 KB) evicted the lines being read before they
+// were used; to L2 the decode GEMVs of Gemma 3 270M read their tiles from memory
+// about 30% faster on an AMD EPYC (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int G>
 inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
                                                           int64_t b) {
@@ -301,12 +307,13 @@ inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs
   for (int gi = 0; gi < G; ++gi) {
     if (pg + gi >= groups) break;
     const char* p = reinterpret_cast<const char*>(a.w + ((pg + gi) * nb + b) * kTile);
-    for (int j = 0; j < kLines; ++j) _mm_prefetch(p + 64 * j, _MM_HINT_T0);
+    for (int j = 0; j < kLines; ++j) _mm_prefetch(p + 64 * j, _MM_HINT_T1);
   }
 }
 
 // Out rows t0 .. t0+R-1 (the whole row tile at t0) x row groups g .. g+G-1,
-// expanding in registers; prefetches the next G groups' tiles.
+// expanding in registers; prefetches the tiles of the G groups after the next
+// G (one pass of G groups ahead was too late to hide memory's latency at one row).
 template <TileFormat Q, int G, int R>
 void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -319,7 +326,7 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
     for (int i = 0; i < R; ++i) acc[gi][i] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < nb; ++b, t += kTile) {
-    prefetch_tiles<Q, G>(a, g + G, groups, b);
+    prefetch_tiles<Q, G>(a, g + 2 * G, groups, b);
     __m512 d[G], m[G];
     for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
 #pragma GCC unroll 32
