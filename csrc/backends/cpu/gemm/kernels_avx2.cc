@@ -112,7 +112,8 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m256 v) {
 }
 
 // Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7; pf as in
-// kernels_avx512.cc's pass.
+// kernels_avx512.cc's pass, but into L1 (_MM_HINT_T0): into L2 was mixed for
+// this kernel (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -194,7 +195,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
   for (int i = 0; i < R; ++i) store_row(a, r + i, g * kQRows + 8 * h, acc[i]);
 }
 
-// The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_typed does).
+// The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_typed does, into L1 here).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -319,7 +320,8 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows;
   const uint8_t* t = a.w + g * nb * kTile;
-  const uint8_t* pf = g + 2 < groups ? t + 2 * nb * kTile : nullptr;  // the group after next, into L2 (as f32_pass_direct_pair's, below)
+  // the group after next, into L2 (as f32_pass_direct_pair's, below)
+  const uint8_t* pf = g + 2 < groups ? t + 2 * nb * kTile : nullptr;
   const float* xr[R];  // x[t0 + i0 + i, k] at xr[i][k]
   for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i0 + i) * a.k;
   __m256 acc[2][R];
@@ -363,9 +365,10 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
   constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, groups = (a.n + kQRows - 1) / kQRows, group_bytes = nb * kTile;
   const uint8_t* t[2] = {a.w + g * group_bytes, a.w + (g + 1) * group_bytes};
-  // the pair after next, into L2: the next pair's tiles (tens of KB at a model's K) prefetched into L1 evicted
-  // the lines being read before they were used, and one pair ahead was too late to hide memory's latency
-  // (docs/benchmarks.md, "Behind the code")
+  // the pair after next, into L2 (where the CPU's prefetch hints reach it: Intel, Zen 4): a pair's tiles are
+  // tens of KB at a model's K, so prefetched into L1 they were probably evicted again before they were read;
+  // into L2 a cold single-row GEMV ran faster, and the pair after next a little faster than the next pair,
+  // within the noise (docs/benchmarks.md, "Behind the code")
   const uint8_t* pf = g + 4 < groups ? t[1] + 3 * group_bytes : nullptr;
   const int64_t pf_groups = g + 5 < groups ? 2 : 1;
   const float* xr = a.x + r * a.k;

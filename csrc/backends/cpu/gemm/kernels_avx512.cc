@@ -124,8 +124,8 @@ inline void store_row(const QuantGemmArgs& a, int64_t r, int64_t c0, __m512 v) {
 // pf: nullptr, or the next row group's tiles, prefetched block by block into
 // L2 (a model's weights do not stay in the caches from one step to the next;
 // once a group's first pass has brought its tiles in, the other passes find
-// them in L1 or L2). Into L1 they evicted lines still to be read: a cold
-// GEMV read its tiles 20-50% slower (docs/benchmarks.md, "Behind the code").
+// them in L1 or L2). Prefetched into L1, a cold GEMV read its tiles slower
+// (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int R>
 void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes(Q);
@@ -294,10 +294,12 @@ inline void store_row_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, __m5
 }
 
 // Prefetches block b's tiles of row groups pg .. pg + G - 1 (those < groups)
-// into L2, not L1: the callers prefetch whole row groups ahead (tens of KB at
-// a model's K), which in L1 (32-48 KB) evicted the lines being read before they
-// were used; to L2 the decode GEMVs of Gemma 3 270M read their tiles from memory
-// about 30% faster on an AMD EPYC (docs/benchmarks.md, "Behind the code").
+// into L2 (where the CPU's prefetch hints reach it: Intel, Zen 4), not L1: the
+// callers prefetch whole row groups ahead (tens of KB at a model's K), more
+// than an L1 of 32-48 KB keeps beside the lines being read, so prefetched into
+// L1 they were probably evicted again before use; into L2, cold GEMVs of Gemma
+// 3 270M's shapes read their tiles from memory faster on an AMD EPYC
+// (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int G>
 inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs& a, int64_t pg, int64_t groups,
                                                           int64_t b) {
@@ -313,7 +315,8 @@ inline __attribute__((always_inline)) void prefetch_tiles(const QuantF32GemmArgs
 
 // Out rows t0 .. t0+R-1 (the whole row tile at t0) x row groups g .. g+G-1,
 // expanding in registers; prefetches the tiles of the G groups after the next
-// G (one pass of G groups ahead was too late to hide memory's latency at one row).
+// G (at one row a little faster than the next G, within the noise:
+// docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int G, int R>
 void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   constexpr int64_t kTile = tile_bytes(Q);
