@@ -18,6 +18,7 @@
 
 #include "backends/cpu/runtime/cpu_features.h"
 #include "backends/cpu/runtime/isa_registry.h"
+#include "backends/cpu/gemm/greedy_logits.h"
 #include "backends/cpu/gemm/quant_linear.h"
 #include "core/errors.h"
 #include "contiguous_arg.h"
@@ -562,6 +563,127 @@ TEST_P(QuantLinearVariant, LinearF32OfOneHotRowsIsTheDequantisedWeightExactly) {
       }
     }
   }
+}
+
+// greedy_logits (gemm/greedy_logits.h): every value it keeps is linear_f32's
+// bit for bit, every row maximum of linear_f32 (ties included) is kept, so
+// the first maximum's index is the same; it does skip work (-inf entries) on
+// Q8_0 at several rows, and gives linear_f32 in full for one row, a non-finite
+// x and a Q4_1 weight. A duplicated weight row makes an exact tie at the top.
+TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
+  QuantIsaGuard guard;
+  set_active_isa(GetParam());
+  std::mt19937 rng(53);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t k = 128;
+  const auto bits_of = [](const std::vector<float>& v) {
+    std::vector<uint32_t> b(v.size());
+    std::memcpy(b.data(), v.data(), v.size() * 4);
+    return b;
+  };
+  for (QType q : {QType::kQ8_0, QType::kQ4_1}) {
+    for (int64_t n : {1000, 2048}) {
+      std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+      // row 0 of x points at the weight row `top` of the largest norm; an exact twin of it ties there
+      const int64_t rb = k / 32 * block_bytes(q), twin = n - 3, rival = 500;
+      int64_t top = 0;
+      double best = -1.0;
+      for (int64_t j = 0; j < rival - 16; ++j) {  // not in the rival's row group
+        double sq = 0.0;
+        for (int64_t e = 0; e < k; ++e) sq += std::pow(static_cast<double>(weight_at(raw, q, k, j, e)), 2);
+        if (sq > best) best = sq, top = j;
+      }
+      std::memcpy(raw.data() + twin * rb, raw.data() + top * rb, static_cast<size_t>(rb));
+      std::vector<float> x0(k);
+      for (int64_t e = 0; e < k; ++e) x0[e] = weight_at(raw, q, k, top, e) * 8.f;
+      int64_t want = top;  // row 0's first maximum
+      if (q == QType::kQ8_0) {
+        // A rival the int8 pass ranks below `top` that is above it exactly: two elements of x's first block
+        // set just below and just above half its int8 step (they round to 0 and to 1), the rival = top with
+        // the quants there +2 and -1: exactly d (2 * 0.499 - 0.501) s > 0 more, by the int8 pass d s less.
+        std::vector<int64_t> small;
+        for (int64_t e = 0; e < 32 && small.size() < 2; ++e) {
+          const int8_t qe = static_cast<int8_t>(raw[static_cast<size_t>(top * rb + 2 + e)]);
+          if (std::abs(qe) < 100) small.push_back(e);
+        }
+        ASSERT_EQ(small.size(), 2u);
+        float amax = 0.f;
+        for (int64_t e = 0; e < 32; ++e) {
+          if (e != small[0] && e != small[1]) amax = std::max(amax, std::fabs(x0[e]));
+        }
+        const float step = amax / 127.f;  // the int8 scale quantize_rows gives the block
+        x0[small[0]] = 0.499f * step;
+        x0[small[1]] = 0.501f * step;
+        std::memcpy(raw.data() + rival * rb, raw.data() + top * rb, static_cast<size_t>(rb));
+        raw[static_cast<size_t>(rival * rb + 2 + small[0])] += 2;
+        raw[static_cast<size_t>(rival * rb + 2 + small[1])] -= 1;
+        want = rival;
+      }
+      QuantizedWeight w(raw.data(), q, n, k);
+      for (int64_t m : {1, 2, 9}) {
+        for (int threads : {1, 2}) {
+          SCOPED_TRACE(std::string(qtype_name(q)) + " n=" + std::to_string(n) + " m=" + std::to_string(m) +
+                       " threads=" + std::to_string(threads));
+          std::vector<float> x(m * k);
+          for (int64_t i = 0; i < m; ++i) {
+            for (int64_t e = 0; e < k; ++e) {
+              x[i * k + e] = i == 0 ? x0[e] : nd(rng);  // row 0 built above, the others random
+            }
+          }
+          std::vector<float> full(m * n), got(m * n, 42.f);
+          w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
+                       threads);
+          greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
+          const std::vector<uint32_t> fb = bits_of(full), gb = bits_of(got);
+          int64_t pruned = 0;
+          for (int64_t i = 0; i < m; ++i) {
+            const float* f = full.data() + i * n;
+            const int64_t first = std::max_element(f, f + n) - f;  // the first maximum, as argmax
+            for (int64_t j = 0; j < n; ++j) {
+              const int64_t at = i * n + j;
+              if (got[at] == -INFINITY && full[at] != -INFINITY) {
+                ++pruned;
+                ASSERT_LT(full[at], f[first]) << "a row maximum was dropped at [" << i << ", " << j << "]";
+              } else {
+                ASSERT_EQ(gb[at], fb[at]) << "a kept value differs at [" << i << ", " << j << "]";
+              }
+            }
+            const float* g = got.data() + i * n;
+            ASSERT_EQ(std::max_element(g, g + n) - g, first) << "row " << i;
+            if (i == 0) ASSERT_EQ(first, want) << "row 0 is not the near tie it was built to be";
+          }
+          const bool expect_pruned = q == QType::kQ8_0 && m > 1;
+          EXPECT_EQ(greedy_logits_prunes(w), q == QType::kQ8_0);
+          if (expect_pruned) {
+            EXPECT_GT(pruned, m * n / 2) << "greedy_logits skipped too little";
+          } else {
+            EXPECT_EQ(pruned, 0) << "linear_f32 in full expected";
+          }
+        }
+      }
+      // a non-finite activation: linear_f32 in full, NaN where it gives NaN
+      const int64_t m = 3;
+      std::vector<float> x(m * k);
+      for (auto& v : x) v = nd(rng);
+      x[k + 5] = NAN;
+      std::vector<float> full(m * n), got(m * n, 42.f);
+      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+      greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), 2);
+      EXPECT_EQ(bits_of(got), bits_of(full)) << qtype_name(q) << " with a NaN in x";
+    }
+  }
+  // bad arguments: typed errors before anything is written
+  std::vector<uint8_t> raw = random_blocks(QType::kQ8_0, 40, k, rng);
+  QuantizedWeight w(raw.data(), QType::kQ8_0, 40, k);
+  std::vector<float> x(2 * k, 1.f), out(2 * 40, 42.f);
+  std::vector<uint16_t> xb(2 * k);
+  EXPECT_THROW(greedy_logits(w, arg(xb, {2, k}, DType::kBFloat16, "x"), arg(out, {2, 40}, DType::kFloat32, "out"), 1),
+               KernelArgumentError);
+  EXPECT_THROW(greedy_logits(w, arg(x, {2, k}, DType::kFloat32, "x"), arg(out, {2, 39}, DType::kFloat32, "out"), 1),
+               KernelArgumentError);
+  EXPECT_THROW(greedy_logits(w, arg(x, {2, k}, DType::kFloat32, "x"), arg(out, {2, 40}, DType::kFloat32, "out"), 0),
+               KernelArgumentError);
+  EXPECT_TRUE(std::all_of(out.begin(), out.end(), [](float v) { return v == 42.f; }));
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,

@@ -106,6 +106,28 @@ class GGUFFloatLinear(torch.nn.Module):
         self.weight_blocks.linear_f32(x2, out, self.bias, torch.get_num_threads())
         return out if x.dim() == 2 else out.reshape(*x.shape[:-1], self.out_features)
 
+    @property
+    def prunes_greedy_logits(self) -> bool:
+        """Whether greedy_logits skips work here: the blocks serve every call
+        (no dense copy), no bias, Q8_0 blocks (the tied output layers of the
+        packaged SmolLM2 and Gemma 3 files)."""
+        return self.dense is None and self.bias is None and self.weight_blocks.prunes_greedy_logits
+
+    def greedy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] float32 -> [M, out_features] float32 for rows that
+        only take their argmax (greedy decoding): each entry is forward(x)'s
+        value bit for bit or -inf, and every entry that could be its row's
+        maximum holds its value, so argmax per row is forward(x)'s. An int8
+        pass with a worst-case error bound per output picks the few outputs
+        that could be the maximum, and only those run the exact kernel
+        (QuantizedWeight.greedy_logits; csrc/backends/cpu/gemm/greedy_logits.h
+        has the bound). forward(x) where prunes_greedy_logits is false."""
+        if not self.prunes_greedy_logits or x.dtype != torch.float32 or x.dim() != 2:
+            return self(x)
+        out = torch.empty((x.shape[0], self.out_features), dtype=torch.float32)
+        self.weight_blocks.greedy_logits(x.contiguous(), out, torch.get_num_threads())
+        return out
+
 
 class GGUFEmbedding(torch.nn.Module):
     """An embedding lookup on GGUF blocks: input_ids [T] int64 -> [T, hidden]

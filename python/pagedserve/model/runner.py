@@ -119,9 +119,11 @@ class ModelRunner:
         [2048, vocab] logits never exist at once) and the pooled rows' hidden
         states. Raises what forward() and the Sampler raise."""
         extra = [i for rows in step.prompt_logprobs for i in rows.indices] + [i for idx in step.pooled for i in idx]
+        # greedy rows read only their maximum: the output layer may then leave -inf where no maximum can be
+        argmax_only = not step.draft_indices and Sampler.takes_only_argmax(step.sampling_rows)
         logits, hidden = self.forward(step.model_input, torch.tensor(extra, dtype=torch.long) if extra else None,
                                       torch.tensor(step.draft_indices, dtype=torch.long) if step.draft_indices
-                                      else None)
+                                      else None, argmax_only=argmax_only)
         num_sampling = len(step.sampling_rows)
         logits, draft_logits = logits[:num_sampling], logits[num_sampling:]
         scored, start = [], 0
@@ -144,7 +146,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, inp, extra_logits_indices: torch.Tensor | None = None,
-                draft_logits_indices: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                draft_logits_indices: torch.Tensor | None = None,
+                argmax_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One forward pass over all scheduled tokens of all sequences.
 
         Args:
@@ -157,6 +160,9 @@ class ModelRunner:
                 speculative drafts, or None: computed in the same output-layer
                 call as the sampling rows (one read of its weights), appended
                 after them.
+            argmax_only: only each logits row's first maximum is read (greedy
+                rows, Sampler.takes_only_argmax): compute_logits may then leave
+                -inf where no row's maximum can be.
         Returns:
             (logits [S + D, vocab] float32 on the CPU, S = len(inp.logits_indices),
             in the order of the scheduler's sampling_seq_indices, then the D draft rows; the final hidden
@@ -186,14 +192,14 @@ class ModelRunner:
         rows = self._to_device(inp.logits_indices)
         if draft_logits_indices is not None and draft_logits_indices.numel():
             rows = torch.cat([rows, draft_logits_indices.to(self.device)])
-        logits = self.compute_logits(hidden.index_select(0, rows))
+        logits = self.compute_logits(hidden.index_select(0, rows), argmax_only=argmax_only)
         extra = None
         if extra_logits_indices is not None and extra_logits_indices.numel():
             extra = hidden.index_select(0, extra_logits_indices.to(self.device))
         return logits, extra
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, argmax_only: bool = False) -> torch.Tensor:
         """hidden [N, hidden_size] (model dtype) -> logits [N, vocab] float32 on
         the CPU, after what the model's own forward does to them (final
         soft-cap, scaling: pagedserve.model.features.logits_transform). A
@@ -202,10 +208,20 @@ class ModelRunner:
         same values: its kernel quantises them to int8 either way) and so
         writes float32 logits: no bfloat16 rounding of the logits, and no
         [N, vocab] conversion afterwards (its cost: docs/benchmarks.md,
-        "Behind the code")."""
+        "Behind the code").
+
+        argmax_only: the caller reads only each row's first maximum (greedy
+        sampling). With an output layer on Q8_0 blocks and no transform of the
+        logits, the values are then exact only where they could be a row's
+        maximum and -inf elsewhere (GGUFFloatLinear.greedy_logits: an int8
+        pass with an error bound per output, then the exact kernel on the few
+        candidates), and the argmax is the full layer's."""
         if hidden.dtype != torch.float32 and (isinstance(self.lm_head, QuantLinear) or (
                 isinstance(self.lm_head, GGUFFloatLinear) and self.lm_head.dense is None)):
             hidden = hidden.float()  # the blocks' kernels widen bfloat16 rows anyway: float32 logits, not rounded
+        if (argmax_only and self.logits_transform is None and isinstance(self.lm_head, GGUFFloatLinear)
+                and hidden.dtype == torch.float32 and self.lm_head.prunes_greedy_logits):
+            return self.lm_head.greedy_logits(hidden)
         logits = self.lm_head(hidden)
         if self.logits_transform is not None:
             logits = self.logits_transform(logits)

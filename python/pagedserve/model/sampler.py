@@ -178,6 +178,16 @@ class Sampler:
         """eos_token_ids: the model's end-of-sequence ids (min_tokens masks them)."""
         self.eos_token_ids = list(eos_token_ids)
 
+    @staticmethod
+    def takes_only_argmax(rows: list[SamplingRow]) -> bool:
+        """Whether __call__ reads nothing of these rows' logits but each row's
+        first maximum: every row greedy, without penalties, token filters, a
+        grammar or logprobs. Then logits that hold -inf wherever a value could
+        not be its row's maximum sample the same tokens (the runner's pruned
+        output layer: GGUFFloatLinear.greedy_logits)."""
+        return all(r.params.greedy and not r.params.has_penalties and not r.params.has_token_filters
+                   and r.grammars is None and r.params.logprobs is None for r in rows)
+
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [S, V] float32 raw model logits, row i for rows[i].
 

@@ -2,7 +2,8 @@
 // the submodule pagedserve._core.cpu through binding_registry.h:
 //   QuantizedWeight(raw, qtype, out_features, in_features)
 //     .dequantize(out), .linear(x, out, bias, num_threads),
-//     .linear_f32(x, out, bias, num_threads), .nbytes, .qtype,
+//     .linear_f32(x, out, bias, num_threads), .greedy_logits(x, out, num_threads),
+//     .prunes_greedy_logits, .nbytes, .qtype,
 //     .in_features, .out_features
 //   (the variant they run with: runtime/bindings.cc's kernel_isa(), kernel_tables())
 #include <pybind11/pybind11.h>
@@ -13,6 +14,7 @@
 #include <string>
 
 #include "binding_registry.h"
+#include "backends/cpu/gemm/greedy_logits.h"
 #include "backends/cpu/gemm/quant_linear.h"
 
 namespace py = pybind11;
@@ -85,6 +87,21 @@ void bind_quant(py::module_& m) {
           "exactly, each float32 result rounded once to nearest even), contiguous; x not quantised; "
           "float32 accumulation along in_features in order, so the result does not depend on num_threads. "
           "num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def(
+          "greedy_logits",
+          [](const QuantizedWeight& w, py::handle x, py::handle out, int num_threads) {
+            auto xa = tensor_arg(x, "x"), o = tensor_arg(out, "out");
+            py::gil_scoped_release release;
+            greedy_logits(w, xa, o, num_threads);
+          },
+          py::arg("x"), py::arg("out"), py::arg("num_threads") = 1,
+          "out [M, out_features] float32 for greedy decoding, x [M, in_features] float32 (contiguous, no bias): "
+          "each entry is linear_f32's value bit for bit or -inf, and every entry that could be its row's maximum "
+          "holds its value, so argmax per row equals linear_f32's. An int8 pass with a worst-case error bound per "
+          "output picks the candidates (gemm/greedy_logits.h); linear_f32 in full where the weight is not Q8_0, x "
+          "is not finite or too many outputs are candidates. num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def_property_readonly("prunes_greedy_logits", &greedy_logits_prunes,
+                             "Whether greedy_logits skips work on this weight (Q8_0 blocks); else it is linear_f32.")
       .def(
           "embedding",
           [](const QuantizedWeight& w, py::handle ids, py::handle out) {

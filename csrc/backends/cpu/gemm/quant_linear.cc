@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -540,6 +541,87 @@ void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>
     kernels.gemm_f32(ps[static_cast<size_t>(it.part)].a, it.g0, it.g1, mi * m_chunk, std::min(m, (mi + 1) * m_chunk),
                      worker.aligned_w(scratch_floats));
   });
+}
+
+}  // namespace cpu
+}  // namespace pagedserve
+
+namespace pagedserve {
+namespace cpu {
+
+void QuantizedWeight::linear_f32_groups(const float* x, int64_t m, float* out, const std::vector<int64_t>& items,
+                                        int num_threads, const QuantKernelTable& kernels) const {
+  check_num_threads(num_threads);
+  if (m <= 0 || items.empty()) return;
+  QuantF32GemmArgs a{};
+  a.format = format_;
+  a.w = tiles_.get();
+  a.n = n_;
+  a.k = k_;
+  a.m = m;
+  a.x = x;
+  a.bias = nullptr;
+  a.out = out;
+  a.ldo = n_;
+  const int64_t groups = (n_ + kQRows - 1) / kQRows, scratch_floats = k_ * 3 * kQRows;
+  const int64_t count = static_cast<int64_t>(items.size());
+  // one row x one row group per item: gemm_f32's single-row path, the same sums as any other row tile's
+  const auto run = [&](int64_t i0, int64_t i1, float* scratch) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t r = items[static_cast<size_t>(i)] / groups, g = items[static_cast<size_t>(i)] % groups;
+      QuantF32GemmArgs row = a;  // row r alone (a variant may compute a whole row tile from m0 on)
+      row.m = 1;
+      row.x = x + r * k_;
+      row.out = out + r * n_;
+      kernels.gemm_f32(row, g, g + 1, 0, 1, scratch);
+    }
+  };
+  constexpr int64_t kItemsPerTask = 16;
+  const int64_t tasks = (count + kItemsPerTask - 1) / kItemsPerTask;
+  if (num_threads == 1 || tasks == 1) {
+    thread_local F32Scratch tls;
+    run(0, count, tls.aligned_w(scratch_floats));
+    return;
+  }
+  ThreadPool::get(num_threads)->run(tasks, [&](int64_t t, int) {
+    thread_local F32Scratch worker;
+    run(t * kItemsPerTask, std::min(count, (t + 1) * kItemsPerTask), worker.aligned_w(scratch_floats));
+  });
+}
+
+const float* QuantizedWeight::row_norms(int num_threads) const {
+  check_num_threads(num_threads);
+  std::call_once(norms_once_, [&] {
+    std::vector<float> norms(static_cast<size_t>(n_));
+    std::vector<uint8_t> finite(static_cast<size_t>(n_), 1);
+    const auto rows = [&](int64_t r0, int64_t r1) {
+      std::vector<float> buf(static_cast<size_t>(k_));
+      for (int64_t row = r0; row < r1; ++row) {
+        dequantize_row(row, buf.data());
+        double t = 0.0;  // squares exact in double; the sum's relative error below K 2^-53: the factor covers it
+        for (float v : buf) t += static_cast<double>(v) * static_cast<double>(v);
+        t = std::sqrt(t) * (1.0 + 0x1p-30);
+        if (!(t <= 3.0e38)) {
+          finite[static_cast<size_t>(row)] = 0;
+          continue;
+        }
+        float f = static_cast<float>(t);
+        if (static_cast<double>(f) < t) f = std::nextafter(f, INFINITY);
+        norms[static_cast<size_t>(row)] = f;
+      }
+    };
+    const int64_t kRowsPerTask = 1024, tasks = (n_ + kRowsPerTask - 1) / kRowsPerTask;
+    if (num_threads == 1 || tasks == 1) {
+      rows(0, n_);
+    } else {
+      ThreadPool::get(num_threads)->run(tasks, [&](int64_t i, int) {
+        rows(i * kRowsPerTask, std::min(n_, (i + 1) * kRowsPerTask));
+      });
+    }
+    norms_finite_ = std::all_of(finite.begin(), finite.end(), [](uint8_t f) { return f != 0; });
+    norms_ = std::move(norms);
+  });
+  return norms_finite_ ? norms_.data() : nullptr;
 }
 
 }  // namespace cpu

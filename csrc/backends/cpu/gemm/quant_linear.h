@@ -18,6 +18,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -135,6 +136,22 @@ class QuantizedWeight {
                                float* out, int64_t ldo, const float* bias, int num_threads,
                                const QuantKernelTable& kernels);
 
+  // linear_f32's values at chosen places: for each item i of items (r * G + g,
+  // G = ceil(N / 16) row groups), out[r, 16 g .. min(16 g + 16, N)) = those
+  // entries of linear_f32(x) (no bias), computed by the same kernel per row
+  // group, so bit-identical; the other entries of out are not touched. x [m,
+  // K] and out [m, N] float32 contiguous. Raw pointers, checked by the caller.
+  void linear_f32_groups(const float* x, int64_t m, float* out, const std::vector<int64_t>& items, int num_threads,
+                         const QuantKernelTable& kernels) const;
+
+  // [N] float32: the Euclidean norm sqrt(sum_k W[j, k]^2) of each output row j
+  // of the dequantised weights (a double sum, rounded up to float32: never
+  // below the exact norm), computed on the first call (on num_threads threads;
+  // thread-safe); nullptr where some weight is not finite (a float16 scale of
+  // inf or NaN). By Cauchy-Schwarz a change e of x moves output j by at most
+  // norm_j * |e| (greedy_logits.h).
+  const float* row_norms(int num_threads) const;
+
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
   // dtype `dtype`, bias [N] or nullptr, with the given variant's kernels.
   // Throws KernelArgumentError where integer_kernels() is false.
@@ -155,6 +172,9 @@ class QuantizedWeight {
   TileFormat format_;
   int64_t n_, k_, nbytes_;
   bool integer_ok_ = true;  // integer_kernels()
+  mutable std::once_flag norms_once_;  // row_norms(), computed once
+  mutable std::vector<float> norms_;
+  mutable bool norms_finite_ = false;
   std::unique_ptr<uint8_t, Free> tiles_;
 };
 
