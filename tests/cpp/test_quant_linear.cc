@@ -11,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <random>
 #include <string>
@@ -653,7 +654,7 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
             if (i == 0) ASSERT_EQ(first, want) << "row 0 is not the near tie it was built to be";
           }
           const bool expect_pruned = q == QType::kQ8_0 && m > 1;
-          EXPECT_EQ(greedy_logits_prunes(w), q == QType::kQ8_0);
+          EXPECT_EQ(prunes_greedy_logits(w), q == QType::kQ8_0);
           if (expect_pruned) {
             EXPECT_GT(pruned, m * n / 2) << "greedy_logits skipped too little";
           } else {
@@ -672,6 +673,70 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
       EXPECT_EQ(bits_of(got), bits_of(full)) << qtype_name(q) << " with a NaN in x";
     }
   }
+  // Extremes (hand-built Q8_0 rows, K = 32): (a) near underflow, a subnormal-scaled row whose int8 scale
+  // product d * xd flushes to zero is x's maximum; (b) where the exact pass overflows (+inf or NaN), the output
+  // is linear_f32's in full. In both every kept value is linear_f32's and argmax is the same.
+  // row j's fp16 scale and 32 quants from row(j, &d, q)
+  const auto q8_rows = [](int64_t n, const std::function<void(int64_t, uint16_t*, int8_t*)>& row) {
+    std::vector<uint8_t> raw(static_cast<size_t>(n * 34));
+    for (int64_t j = 0; j < n; ++j) {
+      uint16_t d = 0;
+      int8_t qs[32] = {};
+      row(j, &d, qs);
+      std::memcpy(raw.data() + j * 34, &d, 2);
+      std::memcpy(raw.data() + j * 34 + 2, qs, 32);
+    }
+    return raw;
+  };
+  for (int extreme = 0; extreme < 2; ++extreme) {
+    const int64_t n = 80, kk = 32, m = 2;
+    std::vector<float> x(m * kk);
+    for (auto& v : x) v = nd(rng);
+    std::vector<uint8_t> raw;
+    if (extreme == 0) {
+      // row 5: d = 2^-24, q = 127 (its x . w ~ 2^-131, the row's maximum; the int8 pass's d * xd = 2^-150
+      // flushes to 0); row 40: d = 3 * 2^-24, q = 1; the others d = 2^-12, q = -(1 + j): below zero here,
+      // and distinct in row 1 (random x), which has a clear maximum
+      raw = q8_rows(n, [](int64_t j, uint16_t* d, int8_t* q) {
+        *d = j == 5 ? 0x0001 : j == 40 ? 0x0003 : 0x0C00;
+        for (int e = 0; e < 32; ++e) q[e] = static_cast<int8_t>(j == 5 ? 127 : j == 40 ? 1 : -(1 + j));
+      });
+      for (int64_t e = 0; e < kk; ++e) x[e] = 127.f * 0x1p-126f;
+    } else {
+      // x = (3e38, -3e38, 0, ...): row 7 (1.98 at k = 0 and 1) overflows in the exact pass (+inf, or NaN
+      // where the product rounds first) while its int8 sum cancels to 0; the others (0.01 + j 2^-12, -0.01)
+      raw = q8_rows(n, [](int64_t j, uint16_t* d, int8_t* q) {
+        *d = j == 7 ? 0x2400 : 0x0C00;  // 1/64, 2^-12
+        q[0] = static_cast<int8_t>(j == 7 ? 127 : 41 + j);
+        q[1] = static_cast<int8_t>(j == 7 ? 127 : -41);
+      });
+      for (int64_t e = 0; e < kk; ++e) x[e] = e == 0 ? 3e38f : e == 1 ? -3e38f : 0.f;
+    }
+    QuantizedWeight w(raw.data(), QType::kQ8_0, n, kk);
+    std::vector<float> full(m * n), got(m * n, 42.f);
+    w.linear_f32(arg(x, {m, kk}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr, 2);
+    greedy_logits(w, arg(x, {m, kk}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), 2);
+    const std::vector<uint32_t> fb = bits_of(full), gb = bits_of(got);
+    for (int64_t i = 0; i < m; ++i) {
+      const float* f = full.data() + i * n;
+      for (int64_t j = 0; j < n; ++j) {
+        if (!(got[i * n + j] == -INFINITY && full[i * n + j] != -INFINITY)) {
+          ASSERT_EQ(gb[i * n + j], fb[i * n + j]) << "extreme " << extreme << " [" << i << ", " << j << "]";
+        }
+      }
+      const float* g = got.data() + i * n;
+      // argmax with NaN counting as the maximum (numpy's, torch's): the first NaN, else the first maximum
+      const auto argmax = [n](const float* v) {
+        for (int64_t j = 0; j < n; ++j) {
+          if (std::isnan(v[j])) return j;
+        }
+        return static_cast<int64_t>(std::max_element(v, v + n) - v);
+      };
+      ASSERT_EQ(argmax(g), argmax(f)) << "extreme " << extreme << " row " << i;
+      if (i == 0) ASSERT_EQ(argmax(f), extreme == 0 ? 5 : 7) << "the case is not the one built";
+    }
+  }
+
   // bad arguments: typed errors before anything is written
   std::vector<uint8_t> raw = random_blocks(QType::kQ8_0, 40, k, rng);
   QuantizedWeight w(raw.data(), QType::kQ8_0, 40, k);

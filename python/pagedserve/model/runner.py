@@ -120,7 +120,7 @@ class ModelRunner:
         states. Raises what forward() and the Sampler raise."""
         extra = [i for rows in step.prompt_logprobs for i in rows.indices] + [i for idx in step.pooled for i in idx]
         # greedy rows read only their maximum: the output layer may then leave -inf where no maximum can be
-        argmax_only = not step.draft_indices and Sampler.takes_only_argmax(step.sampling_rows)
+        argmax_only = not step.draft_indices and self.sampler.takes_only_argmax(step.sampling_rows)
         logits, hidden = self.forward(step.model_input, torch.tensor(extra, dtype=torch.long) if extra else None,
                                       torch.tensor(step.draft_indices, dtype=torch.long) if step.draft_indices
                                       else None, argmax_only=argmax_only)

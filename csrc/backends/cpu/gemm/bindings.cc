@@ -98,9 +98,10 @@ void bind_quant(py::module_& m) {
           "out [M, out_features] float32 for greedy decoding, x [M, in_features] float32 (contiguous, no bias): "
           "each entry is linear_f32's value bit for bit or -inf, and every entry that could be its row's maximum "
           "holds its value, so argmax per row equals linear_f32's. An int8 pass with a worst-case error bound per "
-          "output picks the candidates (gemm/greedy_logits.h); linear_f32 in full where the weight is not Q8_0, x "
-          "is not finite or too many outputs are candidates. num_threads in [1, 1024]. Raises KernelArgumentError.")
-      .def_property_readonly("prunes_greedy_logits", &greedy_logits_prunes,
+          "output picks the candidates (gemm/greedy_logits.h); linear_f32 in full for one row (M = 1), where the "
+          "weight is not Q8_0, x or a first-pass value is not finite, a partial sum could overflow, or more than a "
+          "quarter of the row groups are candidates. num_threads in [1, 1024]. Raises KernelArgumentError.")
+      .def_property_readonly("prunes_greedy_logits", &prunes_greedy_logits,
                              "Whether greedy_logits skips work on this weight (Q8_0 blocks); else it is linear_f32.")
       .def(
           "embedding",

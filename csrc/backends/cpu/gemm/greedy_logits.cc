@@ -55,8 +55,10 @@ bool row_candidates(const float* a, const float* norms, int64_t n, float c, floa
   const bool finite = bad == 0;
   if (!finite || !(bmax <= FLT_MAX)) return false;
   // the float sums above and below round by at most 2^-24 (|a| + b) each: a margin of 2^-20 (amax + bmax) keeps
-  // every output whose exact upper bound reaches the exact largest lower bound
-  const float threshold = lmax - (amax + bmax) * 0x1p-20f;
+  // every output whose exact upper bound reaches the exact largest lower bound; 2^-100 more covers what
+  // underflow can take from either pass and from the bound (subnormal products and sums: a few hundred
+  // roundings of 2^-149 at most, or a scale product d * xd flushed to zero: below 2^-120 an output)
+  const float threshold = lmax - (amax + bmax) * 0x1p-20f - 0x1p-100f;
   for (int64_t g0 = 0; g0 < n; g0 += kGroupRows) {
     const int64_t g1 = g0 + kGroupRows < n ? g0 + kGroupRows : n;
     int any = 0;
@@ -72,7 +74,7 @@ bool row_candidates(const float* a, const float* norms, int64_t n, float c, floa
 
 }  // namespace
 
-bool greedy_logits_prunes(const QuantizedWeight& w) {
+bool prunes_greedy_logits(const QuantizedWeight& w) {
   return w.tile_format() == TileFormat::kQ8_0 && w.integer_kernels();
 }
 
@@ -102,8 +104,9 @@ void greedy_logits_raw(const QuantizedWeight& w, const float* x, int64_t m, floa
   };
   // one row: the float32 pass of a large output layer reads its blocks from memory in about the time the int8
   // pass does, and the scans cost the rest (Gemma 3 270M's 262,144 rows: a token no faster, docs/benchmarks.md)
-  if (m < 2) return in_full();
-  const float* norms = greedy_logits_prunes(w) ? w.row_norms(num_threads) : nullptr;
+  // K above 2^22: the relative rounding terms of the bound (k 2^-23 with room to spare) would need more care
+  if (m < 2 || k > (int64_t{1} << 22)) return in_full();
+  const float* norms = prunes_greedy_logits(w) ? w.row_norms(num_threads) : nullptr;
   if (norms == nullptr) return in_full();
   for (int64_t i = 0; i < m * k; ++i) {
     if (!(std::fabs(x[i]) <= FLT_MAX)) return in_full();  // NaN / inf: argmax must see them as linear_f32 gives them
@@ -116,6 +119,12 @@ void greedy_logits_raw(const QuantizedWeight& w, const float* x, int64_t m, floa
   kernels.quantize_rows(x, DType::kFloat32, k, m, 0, m, xq.data(), xd.data(), xsum128.data(), xs.data());
   std::vector<float> c(static_cast<size_t>(m));
   for (int64_t r = 0; r < m; ++r) c[static_cast<size_t>(r)] = bound_factor(x + r * k, k, xq.data(), xd.data(), m, r);
+  // no partial sum of either pass may overflow: each is at most norm[j] (|x| + |e|) <= norm[j] C 2^23 / K
+  // (Cauchy-Schwarz), so the largest norm times the largest C stays far below FLT_MAX, else the full layer
+  float norm_max = 0.f, c_max = 0.f;
+  for (int64_t j = 0; j < n; ++j) norm_max = norms[j] > norm_max ? norms[j] : norm_max;
+  for (float cr : c) c_max = cr > c_max ? cr : c_max;
+  if (!(static_cast<double>(norm_max) * c_max * 0x1p23 <= 0x1p120)) return in_full();
   w.linear_raw(x, DType::kFloat32, m, out, nullptr, num_threads, kernels);  // the int8 first pass
   std::vector<std::vector<int64_t>> groups(static_cast<size_t>(m));
   std::atomic<bool> ok{true};

@@ -413,6 +413,60 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
   }
 }
 
+// f32_expand of blocks [b0, b1) into ws and, in the same loop, f32_from_scratch
+// of the row tile t0 .. t0+R-1 over them: the expansion's shuffles and stores
+// issue beside that tile's FMAs instead of before every tile's. The same sums,
+// k in order, as f32_from_scratch from the stored ws.
+template <TileFormat Q, int G, int R>
+void f32_expand_tile(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, float* ws, int64_t t0) {
+  constexpr int64_t kTile = tile_bytes(Q);
+  const int64_t nb = a.k / kQBlock, gstride = nb * kTile, groups = (a.n + kQRows - 1) / kQRows;
+  const int64_t k0 = b0 * kQBlock, k1 = b1 * kQBlock;
+  const float* xr[R];  // x[t0 + i, k] at xr[i][k - k0]
+  for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i) * a.k + k0;
+  __m512 acc[G][R];
+  __mmask16 mask[G];
+  for (int gi = 0; gi < G; ++gi) {
+    const int64_t nv = imin(kQRows, a.n - (g + gi) * kQRows);
+    mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
+    for (int i = 0; i < R; ++i) {
+      acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
+                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.ldo + (g + gi) * kQRows);
+    }
+  }
+  const uint8_t* t = a.w + g * gstride + b0 * kTile;
+  for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
+    prefetch_tiles<Q, G>(a, g + G, groups, b);
+    __m512 d[G], m[G];
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+    const int64_t kb = (b - b0) * kQBlock;
+#pragma GCC unroll 4
+    for (int e = 0; e < kQBlock; ++e) {
+      if (half_scales<Q>() && e == kQBlock / 2) {
+        for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 1);
+      }
+      __m512 w[G];
+      for (int gi = 0; gi < G; ++gi) {
+        w[gi] = expand16<Q>(t + gi * gstride, e, d[gi], m[gi]);
+        _mm512_store_ps(ws + (e * G + gi) * 16, w[gi]);
+      }
+      for (int i = 0; i < R; ++i) {
+        const __m512 xv = _mm512_set1_ps(xr[i][kb + e]);
+        for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int gi = 0; gi < G; ++gi) {
+      if (k1 == a.k) {
+        store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+      } else {
+        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.ldo + (g + gi) * kQRows, mask[gi], acc[gi][i]);
+      }
+    }
+  }
+}
+
 template <TileFormat Q, int G, int R>
 void f32_tile(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const float* ws, int64_t k0, int64_t k1) {
   if (ws == nullptr) {
@@ -475,12 +529,14 @@ void f32_groups(const QuantF32GemmArgs& a, int64_t g, int64_t m0, int64_t m1, fl
   const int64_t nb = a.k / kQBlock;
   for (int64_t b0 = 0; b0 < nb; b0 += kF32ChunkBlocks) {
     const int64_t b1 = imin(nb, b0 + kF32ChunkBlocks);
-    f32_expand<Q, G>(a, g, b0, b1, scratch);
     if constexpr (G == 3) {
-      for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows3) {
+      // the first row tile (8 rows: more than kF32Rows in all here) with the expansion, the others from scratch
+      f32_expand_tile<Q, 3, kF32Rows3>(a, g, b0, b1, scratch, m0);
+      for (int64_t t0 = m0 + kF32Rows3; t0 < m1; t0 += kF32Rows3) {
         f32_tile_rows3(a, g, t0, imin(kF32Rows3, m1 - t0), scratch, b0 * kQBlock, b1 * kQBlock);
       }
     } else {
+      f32_expand<Q, G>(a, g, b0, b1, scratch);
       for (int64_t t0 = m0; t0 < m1; t0 += kF32Rows) {
         f32_tile_rows<Q, G>(a, g, t0, imin(kF32Rows, a.m - t0), scratch, b0 * kQBlock, b1 * kQBlock);
       }

@@ -140,7 +140,8 @@ class QuantizedWeight {
   // G = ceil(N / 16) row groups), out[r, 16 g .. min(16 g + 16, N)) = those
   // entries of linear_f32(x) (no bias), computed by the same kernel per row
   // group, so bit-identical; the other entries of out are not touched. x [m,
-  // K] and out [m, N] float32 contiguous. Raw pointers, checked by the caller.
+  // K] and out [m, N] float32 contiguous. Raw pointers, checked by the caller;
+  // throws KernelArgumentError for num_threads outside [1, 1024].
   void linear_f32_groups(const float* x, int64_t m, float* out, const std::vector<int64_t>& items, int num_threads,
                          const QuantKernelTable& kernels) const;
 
@@ -149,7 +150,8 @@ class QuantizedWeight {
   // below the exact norm), computed on the first call (on num_threads threads;
   // thread-safe); nullptr where some weight is not finite (a float16 scale of
   // inf or NaN). By Cauchy-Schwarz a change e of x moves output j by at most
-  // norm_j * |e| (greedy_logits.h).
+  // norm_j * |e| (greedy_logits.h). Throws KernelArgumentError for num_threads
+  // outside [1, 1024].
   const float* row_norms(int num_threads) const;
 
   // The same on raw pointers (checked by the caller): x [m, K], out [m, N] of
