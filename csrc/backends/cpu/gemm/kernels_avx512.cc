@@ -374,6 +374,39 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, fl
   }
 }
 
+// The accumulators of rows t0 .. t0+R-1 x row groups g .. g+G-1 at the start of
+// the K range from k0: zero, or the partial sums the previous range stored in
+// out; mask[gi]: the group's columns that exist (N's edge).
+template <int G, int R>
+inline __attribute__((always_inline)) void load_partial_sums(const QuantF32GemmArgs& a, int64_t g, int64_t t0,
+                                                             int64_t k0, __m512 (&acc)[G][R], __mmask16 (&mask)[G]) {
+  for (int gi = 0; gi < G; ++gi) {
+    const int64_t nv = imin(kQRows, a.n - (g + gi) * kQRows);
+    mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
+    for (int i = 0; i < R; ++i) {
+      acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
+                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.ldo + (g + gi) * kQRows);
+    }
+  }
+}
+
+// Stores load_partial_sums' accumulators after the K range ending at k1: as
+// they are (a float32 store and load are exact), or + bias when k1 = K.
+template <int G, int R>
+inline __attribute__((always_inline)) void store_partial_sums(const QuantF32GemmArgs& a, int64_t g, int64_t t0,
+                                                              int64_t k1, const __m512 (&acc)[G][R],
+                                                              const __mmask16 (&mask)[G]) {
+  for (int i = 0; i < R; ++i) {
+    for (int gi = 0; gi < G; ++gi) {
+      if (k1 == a.k) {
+        store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
+      } else {
+        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.ldo + (g + gi) * kQRows, mask[gi], acc[gi][i]);
+      }
+    }
+  }
+}
+
 // Out rows t0 .. t0+R-1 x row groups g .. g+G-1, the elements [k0, k1) of the
 // sums from f32_expand's ws (the same blocks): the accumulators start at zero
 // (k0 = 0) or at the partial sums stored in out by the previous range, and
@@ -385,14 +418,7 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
   for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i) * a.k + k0;
   __m512 acc[G][R];
   __mmask16 mask[G];
-  for (int gi = 0; gi < G; ++gi) {
-    const int64_t nv = imin(kQRows, a.n - (g + gi) * kQRows);
-    mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
-    for (int i = 0; i < R; ++i) {
-      acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
-                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.ldo + (g + gi) * kQRows);
-    }
-  }
+  load_partial_sums<G, R>(a, g, t0, k0, acc, mask);
 #pragma GCC unroll 4
   for (int64_t k = 0; k < k1 - k0; ++k, ws += 16 * G) {
     __m512 w[G];
@@ -402,15 +428,7 @@ void f32_from_scratch(const QuantF32GemmArgs& a, int64_t g, int64_t t0, const fl
       for (int gi = 0; gi < G; ++gi) acc[gi][i] = _mm512_fmadd_ps(w[gi], xv, acc[gi][i]);
     }
   }
-  for (int i = 0; i < R; ++i) {
-    for (int gi = 0; gi < G; ++gi) {
-      if (k1 == a.k) {
-        store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
-      } else {
-        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.ldo + (g + gi) * kQRows, mask[gi], acc[gi][i]);
-      }
-    }
-  }
+  store_partial_sums<G, R>(a, g, t0, k1, acc, mask);
 }
 
 // f32_expand of blocks [b0, b1) into ws and, in the same loop, f32_from_scratch
@@ -426,14 +444,7 @@ void f32_expand_tile(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b
   for (int i = 0; i < R; ++i) xr[i] = a.x + (t0 + i) * a.k + k0;
   __m512 acc[G][R];
   __mmask16 mask[G];
-  for (int gi = 0; gi < G; ++gi) {
-    const int64_t nv = imin(kQRows, a.n - (g + gi) * kQRows);
-    mask[gi] = static_cast<__mmask16>(nv >= 16 ? 0xFFFF : nv <= 0 ? 0 : (1u << nv) - 1);
-    for (int i = 0; i < R; ++i) {
-      acc[gi][i] = k0 == 0 ? _mm512_setzero_ps()
-                           : _mm512_maskz_loadu_ps(mask[gi], a.out + (t0 + i) * a.ldo + (g + gi) * kQRows);
-    }
-  }
+  load_partial_sums<G, R>(a, g, t0, k0, acc, mask);
   const uint8_t* t = a.w + g * gstride + b0 * kTile;
   for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
     prefetch_tiles<Q, G>(a, g + G, groups, b);
@@ -456,15 +467,7 @@ void f32_expand_tile(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b
       }
     }
   }
-  for (int i = 0; i < R; ++i) {
-    for (int gi = 0; gi < G; ++gi) {
-      if (k1 == a.k) {
-        store_row_f32(a, t0 + i, (g + gi) * kQRows, acc[gi][i]);
-      } else {
-        _mm512_mask_storeu_ps(a.out + (t0 + i) * a.ldo + (g + gi) * kQRows, mask[gi], acc[gi][i]);
-      }
-    }
-  }
+  store_partial_sums<G, R>(a, g, t0, k1, acc, mask);
 }
 
 template <TileFormat Q, int G, int R>
