@@ -619,6 +619,11 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
         raw[static_cast<size_t>(rival * rb + 2 + small[0])] += 2;
         raw[static_cast<size_t>(rival * rb + 2 + small[1])] -= 1;
         want = rival;
+        // and n / 40 exact copies of `top` (each in a row group of its own), which the int8 pass ranks above the
+        // rival: keeping "the top 2% by the first pass" would drop the row's maximum
+        for (int64_t c = 0; c < n / 40; ++c) {
+          std::memcpy(raw.data() + (520 + 16 * c) * rb, raw.data() + top * rb, static_cast<size_t>(rb));
+        }
       }
       QuantizedWeight w(raw.data(), q, n, k);
       for (int64_t m : {1, 2, 9}) {
