@@ -219,9 +219,8 @@ class ModelRunner:
         if hidden.dtype != torch.float32 and (isinstance(self.lm_head, QuantLinear) or (
                 isinstance(self.lm_head, GGUFFloatLinear) and self.lm_head.dense is None)):
             hidden = hidden.float()  # the blocks' kernels widen bfloat16 rows anyway: float32 logits, not rounded
-        if (argmax_only and self.logits_transform is None and isinstance(self.lm_head, GGUFFloatLinear)
-                and hidden.dtype == torch.float32 and self.lm_head.prunes_greedy_logits):
-            return self.lm_head.greedy_logits(hidden)
+        if argmax_only and self.logits_transform is None and isinstance(self.lm_head, GGUFFloatLinear):
+            return self.lm_head.greedy_logits(hidden).float()  # the full layer where it cannot prune
         logits = self.lm_head(hidden)
         if self.logits_transform is not None:
             logits = self.logits_transform(logits)

@@ -185,8 +185,12 @@ class Sampler:
         grammar or logprobs. Then logits that hold -inf wherever a value could
         not be its row's maximum sample the same tokens (the runner's pruned
         output layer: GGUFFloatLinear.greedy_logits)."""
-        return all(r.params.greedy and not r.params.has_penalties and not r.params.has_token_filters
-                   and r.grammars is None and r.params.logprobs is None for r in rows)
+        return all(r.params.greedy and r.params.logprobs is None and Sampler._unfiltered(r) for r in rows)
+
+    @staticmethod
+    def _unfiltered(row: SamplingRow) -> bool:
+        """Whether the row draws from its raw logits: no penalties, token filters or grammar."""
+        return not row.params.has_penalties and not row.params.has_token_filters and row.grammars is None
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         """logits: [S, V] float32 raw model logits, row i for rows[i].
@@ -210,7 +214,7 @@ class Sampler:
             p, gens = row.params, row.generators
             if len(row.output_token_ids) != len(gens):
                 raise ValueError(f"row {i}: {len(gens)} generators but {len(row.output_token_ids)} output_token_ids")
-            if not p.has_penalties and not p.has_token_filters and row.grammars is None:
+            if self._unfiltered(row):
                 drawn = [argmax[i]] * len(gens) if p.greedy else draw(logits[i], p, gens, argmax[i])
             else:
                 prompt_mask = None

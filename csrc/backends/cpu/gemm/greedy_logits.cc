@@ -3,12 +3,10 @@
 #include <atomic>
 #include <cfloat>
 #include <cmath>
-#include <string>
 #include <vector>
 
 #include "backends/cpu/runtime/isa_registry.h"
 #include "backends/cpu/runtime/thread_pool.h"
-#include "core/errors.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -40,7 +38,9 @@ float bound_factor(const float* x, int64_t k, const int8_t* xq, const float* xd,
 
 // Row r's candidate row groups (ascending) from its first-pass outputs a [N],
 // with out's row set to -inf meanwhile (a and o may be the same memory).
-// False where an output or the row's bound is not finite.
+// False where an output is not finite, or where a partial sum of the exact
+// pass could overflow: each is at most norm[j] (|x| + |e|) <= norm[j] c 2^23
+// / K (Cauchy-Schwarz), so the largest bound norm[j] c must stay below 2^97.
 bool row_candidates(const float* a, const float* norms, int64_t n, float c, float* o, std::vector<int64_t>* groups) {
   float lmax = -FLT_MAX, amax = 0.f, bmax = 0.f;
   int bad = 0;
@@ -53,7 +53,7 @@ bool row_candidates(const float* a, const float* norms, int64_t n, float c, floa
     bmax = b > bmax ? b : bmax;
   }
   const bool finite = bad == 0;
-  if (!finite || !(bmax <= FLT_MAX)) return false;
+  if (!finite || !(bmax <= 0x1p97f)) return false;
   // the float sums above and below round by at most 2^-24 (|a| + b) each: a margin of 2^-20 (amax + bmax) keeps
   // every output whose exact upper bound reaches the exact largest lower bound; 2^-100 more covers what
   // underflow can take from either pass and from the bound (subnormal products and sums: a few hundred
@@ -80,18 +80,7 @@ bool prunes_greedy_logits(const QuantizedWeight& w) {
 
 void greedy_logits(const QuantizedWeight& w, const TensorArg& x, const TensorArg& out, int num_threads) {
   x.check_dtype(DType::kFloat32);
-  x.check_dim(2);
-  const int64_t m = x.size(0);
-  x.check_shape({m, w.in_features()});
-  x.check_contiguous();
-  out.check_dtype(DType::kFloat32);
-  out.check_dim(2);
-  out.check_shape({m, w.out_features()});
-  out.check_contiguous();
-  out.check_no_overlap();
-  if (num_threads < 1 || num_threads > 1024) {
-    throw KernelArgumentError("num_threads must be in [1, 1024], got " + std::to_string(num_threads));
-  }
+  const int64_t m = check_linear_args(x, out, nullptr, num_threads, w.out_features(), w.in_features());
   if (m == 0) return;
   greedy_logits_raw(w, x.ptr<float>(), m, out.ptr<float>(), num_threads, active_isa().gemm());
 }
@@ -119,12 +108,6 @@ void greedy_logits_raw(const QuantizedWeight& w, const float* x, int64_t m, floa
   kernels.quantize_rows(x, DType::kFloat32, k, m, 0, m, xq.data(), xd.data(), xsum128.data(), xs.data());
   std::vector<float> c(static_cast<size_t>(m));
   for (int64_t r = 0; r < m; ++r) c[static_cast<size_t>(r)] = bound_factor(x + r * k, k, xq.data(), xd.data(), m, r);
-  // no partial sum of either pass may overflow: each is at most norm[j] (|x| + |e|) <= norm[j] C 2^23 / K
-  // (Cauchy-Schwarz), so the largest norm times the largest C stays far below FLT_MAX, else the full layer
-  float norm_max = 0.f, c_max = 0.f;
-  for (int64_t j = 0; j < n; ++j) norm_max = norms[j] > norm_max ? norms[j] : norm_max;
-  for (float cr : c) c_max = cr > c_max ? cr : c_max;
-  if (!(static_cast<double>(norm_max) * c_max * 0x1p23 <= 0x1p120)) return in_full();
   w.linear_raw(x, DType::kFloat32, m, out, nullptr, num_threads, kernels);  // the int8 first pass
   std::vector<std::vector<int64_t>> groups(static_cast<size_t>(m));
   std::atomic<bool> ok{true};

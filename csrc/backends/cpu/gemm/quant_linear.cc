@@ -75,6 +75,8 @@ void check_num_threads(int num_threads) {
   }
 }
 
+}  // namespace
+
 // The checks linear and linear_f32 share (x's dtype is checked by the caller):
 // x [M, k] and out [M, n] of x's dtype, both 2-d and contiguous, not
 // overlapping; bias float32 [n] contiguous or null; num_threads in range.
@@ -99,8 +101,6 @@ int64_t check_linear_args(const TensorArg& x, const TensorArg& out, const Tensor
   check_num_threads(num_threads);
   return m;
 }
-
-}  // namespace
 
 void QuantizedWeight::Free::operator()(uint8_t* p) const { huge_page_free(p); }
 
@@ -486,15 +486,7 @@ void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>
   const int64_t unit = m > kF32Rows ? 3 : 2;
   for (const QuantizedWeight* w : parts) {
     Part p{};
-    p.a.format = w->format_;
-    p.a.w = w->tiles_.get();
-    p.a.n = w->n_;
-    p.a.k = k;
-    p.a.m = m;
-    p.a.x = x;
-    p.a.bias = bias != nullptr ? bias + col : nullptr;
-    p.a.out = out + col;
-    p.a.ldo = ldo;
+    p.a = w->f32_args(x, m, out + col, ldo, bias != nullptr ? bias + col : nullptr);
     p.groups = (w->n_ + kQRows - 1) / kQRows;
     p.units = (p.groups + unit - 1) / unit;
     ps.push_back(p);
@@ -549,10 +541,8 @@ void QuantizedWeight::linear_f32_parts(const std::vector<const QuantizedWeight*>
 namespace pagedserve {
 namespace cpu {
 
-void QuantizedWeight::linear_f32_groups(const float* x, int64_t m, float* out, const std::vector<int64_t>& items,
-                                        int num_threads, const QuantKernelTable& kernels) const {
-  check_num_threads(num_threads);
-  if (m <= 0 || items.empty()) return;
+QuantF32GemmArgs QuantizedWeight::f32_args(const float* x, int64_t m, float* out, int64_t ldo,
+                                           const float* bias) const {
   QuantF32GemmArgs a{};
   a.format = format_;
   a.w = tiles_.get();
@@ -560,20 +550,24 @@ void QuantizedWeight::linear_f32_groups(const float* x, int64_t m, float* out, c
   a.k = k_;
   a.m = m;
   a.x = x;
-  a.bias = nullptr;
+  a.bias = bias;
   a.out = out;
-  a.ldo = n_;
+  a.ldo = ldo;
+  return a;
+}
+
+void QuantizedWeight::linear_f32_groups(const float* x, int64_t m, float* out, const std::vector<int64_t>& items,
+                                        int num_threads, const QuantKernelTable& kernels) const {
+  check_num_threads(num_threads);
+  if (m <= 0 || items.empty()) return;
   const int64_t groups = (n_ + kQRows - 1) / kQRows, scratch_floats = k_ * 3 * kQRows;
   const int64_t count = static_cast<int64_t>(items.size());
   // one row x one row group per item: gemm_f32's single-row path, the same sums as any other row tile's
   const auto run = [&](int64_t i0, int64_t i1, float* scratch) {
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t r = items[static_cast<size_t>(i)] / groups, g = items[static_cast<size_t>(i)] % groups;
-      QuantF32GemmArgs row = a;  // row r alone (a variant may compute a whole row tile from m0 on)
-      row.m = 1;
-      row.x = x + r * k_;
-      row.out = out + r * n_;
-      kernels.gemm_f32(row, g, g + 1, 0, 1, scratch);
+      // row r alone (a variant may compute a whole row tile from m0 on)
+      kernels.gemm_f32(f32_args(x + r * k_, 1, out + r * n_, n_, nullptr), g, g + 1, 0, 1, scratch);
     }
   };
   constexpr int64_t kItemsPerTask = 16;

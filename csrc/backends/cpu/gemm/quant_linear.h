@@ -28,6 +28,13 @@
 namespace pagedserve {
 namespace cpu {
 
+// The checks of a linear call (x's dtype is checked by the caller): x [M, k]
+// and out [M, n] of x's dtype, both 2-d and contiguous, out not overlapping;
+// bias float32 [n] contiguous or null; num_threads in [1, 1024]. Returns M.
+// Throws KernelArgumentError.
+int64_t check_linear_args(const TensorArg& x, const TensorArg& out, const TensorArg* bias, int num_threads,
+                          int64_t n, int64_t k);
+
 // The GGUF block types a QuantizedWeight reads (ggml's formats, as gguf-py
 // de-quantises them).
 // F32, F16 and BF16 are GGUF's unquantised types (or a float checkpoint's own
@@ -166,6 +173,8 @@ class QuantizedWeight {
   };
   // dst [K] = row `row` de-quantised to float32 (gguf-py's values, bit for bit).
   void dequantize_row(int64_t row, float* dst) const;
+  // gemm_f32's arguments for this weight: x [m, K] float32, out [m, N] of row stride ldo, bias [N] or nullptr.
+  QuantF32GemmArgs f32_args(const float* x, int64_t m, float* out, int64_t ldo, const float* bias) const;
   // Fills the u5f / u4f / i8f tiles from raw rows of a type gguf_types.cc decodes.
   void repack_decoded(const uint8_t* raw);
   // Fills the f32 / f16 / bf16 tiles from the raw row-major matrix.
