@@ -158,7 +158,8 @@ class EngineArgs:
     kv_events_endpoint: str | None = field(default=None, metadata=_arg(
         "publish KV-cache events (vLLM's schema: BlockStored when full blocks enter the prefix cache, BlockRemoved "
         "on eviction, AllBlocksCleared at start; msgpack over a ZeroMQ PUB socket bound here, e.g. "
-        "tcp://127.0.0.1:5557) for prefix-aware routers; docs/kv-events.md", metavar="ENDPOINT"))
+        "tcp://127.0.0.1:5557) for prefix-aware routers; with --replicas N, replica i binds the port + i; "
+        "docs/kv-events.md", metavar="ENDPOINT"))
     kv_events_replay_endpoint: str | None = field(default=None, metadata=_arg(
         "with --kv-events-endpoint: a ZeroMQ ROUTER socket bound here replays the last 10,000 event batches from "
         "a requested sequence number (a subscriber that missed some), e.g. tcp://127.0.0.1:5558",

@@ -6,9 +6,11 @@ cloud-metadata address at start): the test starts it as
 ``unshare -n sh -c 'ip link set lo up; exec python ray_replicas_driver.py MODEL OUT'``.
 It writes OUT (JSON): the answers to REQUESTS (test_ray_replicas.py sends the
 same ones to a single server), the replica of each of four requests sharing a
-prefix, each replica's prefix-cache hits, and a replica killed during a stream:
-how the stream ended, whether later requests succeeded, whether Serve started a
-replacement, and the survivors' KV usage once idle.
+prefix, each replica's prefix-cache hits, the KV-cache events each replica
+rank published meanwhile (--kv-events-endpoint: replica i at port + i) and its
+replay from sequence 0, and a replica killed during a stream: how the stream
+ended, whether later requests succeeded, whether Serve started a replacement
+(publishing at the dead one's ports), and the survivors' KV usage once idle.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ import httpx
 
 PORT = 8000
 BASE = f"http://127.0.0.1:{PORT}"
+# --kv-events-endpoint and its replay endpoint: replica i binds each port + i
+KV_EVENTS_PORT, KV_REPLAY_PORT = 5557, 5567
 
 # (name, path, body): answered by the replicas here and by one server in the test
 REQUESTS = [
@@ -97,6 +101,67 @@ def disconnect_during_stream(client: httpx.Client) -> dict:
             "kv_usage": usage, "aborted": aborted - aborted_before}
 
 
+def subscribe_kv_events(ctx) -> list:
+    """One ZeroMQ SUB socket per replica rank (0, 1), subscribed to everything."""
+    import zmq
+
+    subs = []
+    for rank in range(2):
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(f"tcp://127.0.0.1:{KV_EVENTS_PORT + rank}")
+        subs.append(sub)
+    time.sleep(1.0)  # ZeroMQ's slow joiner: the subscriptions reach the publishers before any event
+    return subs
+
+
+def read_kv_events(subs, tokenizer) -> list[dict]:
+    """What each SUB socket received (until 2 s of quiet): the sequence
+    numbers, the event types, and the text of every stored block."""
+    import msgpack
+    import zmq
+
+    seen = []
+    for sub in subs:
+        seqs, types, stored_text = [], [], []
+        while sub.poll(2000, zmq.POLLIN):
+            _topic, seq, payload = sub.recv_multipart()
+            seqs.append(int.from_bytes(seq, "big"))
+            for event in msgpack.unpackb(payload)[1]:
+                types.append(event[0])
+                if event[0] == "BlockStored":  # [type, hashes, parent, token_ids, block_size, lora, medium]
+                    stored_text.append(tokenizer.decode(event[3]))
+        seen.append({"seqs": seqs, "types": sorted(set(types)), "stored_text": stored_text})
+    return seen
+
+
+def replay_kv_events(ctx) -> list:
+    """Each replica rank's replay endpoint asked for every batch from sequence
+    0: [(sequence, event types), ...] per rank, or None where nothing answered
+    within 5 s."""
+    import msgpack
+    import zmq
+
+    replies = []
+    for rank in range(2):
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(f"tcp://127.0.0.1:{KV_REPLAY_PORT + rank}")
+        dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches = []
+        while True:
+            if not dealer.poll(5000, zmq.POLLIN):
+                batches = None
+                break
+            _empty, seq, payload = dealer.recv_multipart()
+            if int.from_bytes(seq, "big", signed=True) == -1:
+                break
+            batches.append((int.from_bytes(seq, "big"), [e[0] for e in msgpack.unpackb(payload)[1]]))
+        dealer.close(0)
+        replies.append(batches)
+    return replies
+
+
 def kill_during_stream(client: httpx.Client, ray) -> dict:
     """Kills the replica serving a long stream after its first events."""
     body = {"prompt": "Tell a long story.", "max_tokens": 1500, "temperature": 0, "ignore_eos": True,
@@ -124,7 +189,9 @@ def kill_during_stream(client: httpx.Client, ray) -> dict:
 
 def main(model: str, out_path: str) -> None:
     import ray
+    import zmq
     from ray import serve
+    from transformers import AutoTokenizer
 
     from pagedserve.scaleout.ray_app import build_app
     from pagedserve.server.__main__ import build_parser
@@ -132,7 +199,9 @@ def main(model: str, out_path: str) -> None:
     ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", logging_level="WARNING")
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     args = build_parser().parse_args([model, "--replicas", "2", "--routing", "prefix", "--dtype", "float32",
-                                      "--max-model-len", "2048", "--log-level", "warning"])
+                                      "--max-model-len", "2048", "--log-level", "warning",
+                                      "--kv-events-endpoint", f"tcp://127.0.0.1:{KV_EVENTS_PORT}",
+                                      "--kv-events-replay-endpoint", f"tcp://127.0.0.1:{KV_REPLAY_PORT}"])
     serve.run(build_app(args), name="pagedserve", route_prefix="/")
     result: dict = {}
     with httpx.Client(timeout=120) as client:
@@ -141,12 +210,16 @@ def main(model: str, out_path: str) -> None:
                 break
             time.sleep(0.5)
         result["answers"] = {name: answer(client, BASE, path, body, model) for name, path, body in REQUESTS}
+        kv_ctx = zmq.Context()
+        subs = subscribe_kv_events(kv_ctx)
         result["prefix_replicas"] = {name: [] for name in PREFIXES}
         for i in range(3):
             for name, prefix in PREFIXES.items():
                 a = answer(client, BASE, "/v1/completions",
                            {"prompt": prefix + f" question {i}?", "max_tokens": 2, "temperature": 0})
                 result["prefix_replicas"][name].append(a["replica"])
+        result["kv_events"] = read_kv_events(subs, AutoTokenizer.from_pretrained(model))
+        result["kv_replay"] = replay_kv_events(kv_ctx)
         result["prefix_cache_hits"] = replica_samples(client, "vllm:prefix_cache_hits_total")
         result["replicas_in_metrics"] = sorted(replica_samples(client, "vllm:kv_cache_usage_perc"))
         result["disconnect"] = disconnect_during_stream(client)
@@ -165,6 +238,10 @@ def main(model: str, out_path: str) -> None:
             time.sleep(0.5)
         result["kill"]["replicas_in_metrics_after"] = sorted(replica_samples(client, "vllm:kv_cache_usage_perc"))
         result["kill"]["kv_usage_after"] = replica_samples(client, "vllm:kv_cache_usage_perc")
+        result["kill"]["kv_replay_after"] = replay_kv_events(kv_ctx)  # the replacement publishes at its rank's ports
+        for sub in subs:
+            sub.close(0)
+        kv_ctx.term()
     serve.shutdown()
     ray.shutdown()
     with open(out_path, "w") as f:

@@ -172,3 +172,21 @@ def test_the_replay_endpoint_needs_the_events_endpoint():
 
     with pytest.raises(ValueError, match="kv_events_endpoint"):
         EngineArgs(kv_events_replay_endpoint="tcp://127.0.0.1:5558")
+
+
+def test_each_replica_rank_gets_its_own_endpoint():
+    """`serve --replicas N` offsets the endpoints by the replica's rank
+    (offset_endpoint): a TCP port + rank, ipc/inproc names suffixed; what
+    cannot be offset is a ValueError."""
+    from pagedserve.engine.kv_events import offset_endpoint
+
+    assert offset_endpoint("tcp://127.0.0.1:5557", 0) == "tcp://127.0.0.1:5557"
+    assert offset_endpoint("tcp://127.0.0.1:5557", 3) == "tcp://127.0.0.1:5560"
+    assert offset_endpoint("tcp://[::1]:5557", 1) == "tcp://[::1]:5558"
+    assert offset_endpoint("ipc:///tmp/kv", 2) == "ipc:///tmp/kv-2"
+    assert offset_endpoint("inproc://kv", 0) == "inproc://kv"
+    for endpoint, rank in [("tcp://127.0.0.1:*", 1), ("tcp://127.0.0.1:0", 1), ("tcp://127.0.0.1", 1),
+                           ("tcp://127.0.0.1:65535", 1), ("udp://127.0.0.1:5557", 0), ("5557", 0),
+                           ("tcp://127.0.0.1:5557", -1)]:
+        with pytest.raises(ValueError):
+            offset_endpoint(endpoint, rank)

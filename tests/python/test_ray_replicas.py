@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from conftest import make_tiny_chat_model
+from ray_replicas_driver import PREFIXES
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'pagedserve[ray]')")
 
@@ -115,6 +116,27 @@ def test_each_prefix_stays_on_its_own_replica(replicas):
     assert chosen["alpha"][0] != chosen["beta"][0]
     for name in chosen:
         assert replicas["prefix_cache_hits"][chosen[name][0]] >= 2 * 208  # >= 13 of its blocks, twice
+
+
+def test_each_replica_publishes_its_own_kv_events_at_its_rank_port(replicas):
+    """--kv-events-endpoint with --replicas 2: replica i publishes at port + i.
+    Each prefix's blocks are announced by exactly one rank's stream, a
+    different one for the two prefixes (the prefix router put them on
+    different replicas); each stream's sequence numbers are gapless, and its
+    replay from 0 starts with AllBlocksCleared and holds what it sent."""
+    events, replay = replicas["kv_events"], replicas["kv_replay"]
+    ranks = {name: [rank for rank, seen in enumerate(events)
+                    if any(name in text for text in seen["stored_text"])] for name in PREFIXES}
+    assert all(len(r) == 1 for r in ranks.values()), ranks
+    assert ranks["alpha"] != ranks["beta"]
+    for seen, batches in zip(events, replay):
+        assert seen["types"] == ["BlockStored"], seen["types"]
+        assert seen["seqs"] == list(range(seen["seqs"][0], seen["seqs"][0] + len(seen["seqs"])))
+        assert batches[0] == [0, ["AllBlocksCleared"]]
+        assert [seq for seq, _ in batches] == list(range(len(batches)))
+        assert batches[-1][0] >= seen["seqs"][-1]
+    # after a replica was killed, its replacement took its rank: both ranks' replay endpoints answer again
+    assert all(b is not None and b[0] == [0, ["AllBlocksCleared"]] for b in replicas["kill"]["kv_replay_after"])
 
 
 def test_metrics_carry_a_replica_label(replicas):

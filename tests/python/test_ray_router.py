@@ -155,3 +155,28 @@ def test_the_ingress_hashes_the_tokens_the_server_serves(server):
     assert ingress.block_hashes("/v1/completions", b"not json") == []  # a miss, not an error
     assert ingress.block_hashes("/v1/completions", json.dumps({"prompt": list(range(40))}).encode()) == \
         prompt_block_hashes(list(range(40)), 16)
+
+
+def test_kv_events_with_replicas_need_one_free_port_per_replica():
+    """check_args: --kv-events-endpoint with --replicas N binds port + i for
+    replica i, so the events and replay ports must leave N ports between
+    them; a replay endpoint alone, or a port that cannot be offset, is refused
+    before Ray starts."""
+    from pagedserve.scaleout.ray_app import check_args, replica_kv_events_args
+    from pagedserve.server.__main__ import build_parser
+
+    def args(*flags):
+        return build_parser().parse_args(["some-model", "--replicas", "2", *flags])
+
+    ok = args("--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-replay-endpoint", "tcp://127.0.0.1:5559")
+    check_args(ok)
+    second = replica_kv_events_args(ok, 1)
+    assert (second.kv_events_endpoint, second.kv_events_replay_endpoint) == ("tcp://127.0.0.1:5558",
+                                                                             "tcp://127.0.0.1:5560")
+    assert ok.kv_events_endpoint == "tcp://127.0.0.1:5557"  # the caller's flags are not changed
+    for flags, match in [(("--kv-events-endpoint", "tcp://127.0.0.1:5557", "--kv-events-replay-endpoint",
+                           "tcp://127.0.0.1:5558"), "overlap"),
+                         (("--kv-events-replay-endpoint", "tcp://127.0.0.1:5558"), "needs --kv-events-endpoint"),
+                         (("--kv-events-endpoint", "tcp://127.0.0.1:0"), "port number")]:
+        with pytest.raises(ValueError, match=match):
+            check_args(args(*flags))

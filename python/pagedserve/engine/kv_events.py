@@ -55,6 +55,28 @@ def encode_event(event) -> list:
     raise ValueError(f"unknown KV event type {event.type!r}")
 
 
+def offset_endpoint(endpoint: str, rank: int) -> str:
+    """The endpoint replica `rank` of `pagedserve serve --replicas N` binds for
+    a configured endpoint (vLLM offsets its data-parallel ranks' publishers the
+    same way): ``tcp://HOST:PORT`` -> ``tcp://HOST:PORT+rank``; ``ipc://PATH``
+    and ``inproc://NAME`` get ``-rank`` appended. Rank 0 keeps the endpoint.
+    Raises ValueError for rank < 0, another transport, a TCP endpoint without a
+    numeric port (a wildcard port cannot be offset), or a port past 65535."""
+    if rank < 0:
+        raise ValueError(f"rank must be >= 0, got {rank}")
+    transport, sep, address = endpoint.partition("://")
+    if not sep or transport not in ("tcp", "ipc", "inproc") or not address:
+        raise ValueError(f"{endpoint!r}: not a tcp://, ipc:// or inproc:// ZeroMQ endpoint")
+    if transport != "tcp":
+        return endpoint if rank == 0 else f"{endpoint}-{rank}"
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+        raise ValueError(f"{endpoint!r}: one endpoint per replica needs a TCP port number (1-65535), got {port!r}")
+    if int(port) + rank > 65535:
+        raise ValueError(f"{endpoint!r}: replica {rank} would bind port {int(port) + rank}, past 65535")
+    return f"tcp://{host}:{int(port) + rank}"
+
+
 class KVEventPublisher:
     """Publishes KV-cache event batches on a ZeroMQ PUB socket and serves
     replays of the last ``buffer_batches`` batches on a ROUTER socket (a

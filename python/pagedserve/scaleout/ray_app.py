@@ -78,11 +78,14 @@ class EngineReplica:
 
         logging.basicConfig(level=args.log_level.upper())
         torch.set_num_threads(max(1, int(args.replica_cpus)))  # the kernels' threads: the CPUs Ray reserved
+        context = serve.get_replica_context()
+        if getattr(args, "kv_events_endpoint", None):  # one publisher per replica: the endpoint offset by its rank
+            args = replica_kv_events_args(args, context.rank.rank)
         self.engine = AsyncLLMEngine(LLMEngine(EngineArgs.from_cli_args(args)))
         self.app = create_app(self.engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
         self._report_seq = 0
         self._last_report = None
-        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.replica_id = context.replica_id.unique_id
 
     async def forward(self, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
                       body: bytes, block_hashes: list[bytes] = ()) -> AsyncIterator[ResponseStart | bytes]:
@@ -273,15 +276,36 @@ class Ingress:
         return response
 
 
+def replica_kv_events_args(args: argparse.Namespace, rank: int) -> argparse.Namespace:
+    """A copy of args whose --kv-events-endpoint (and --kv-events-replay-endpoint)
+    are replica `rank`'s: each offset by the rank (kv_events.offset_endpoint), so
+    replica i of N publishes on PORT+i (a replacement Serve starts for a dead
+    replica takes its rank, so its port). Raises ValueError as offset_endpoint."""
+    from ..engine.kv_events import offset_endpoint
+
+    replay = getattr(args, "kv_events_replay_endpoint", None)
+    return argparse.Namespace(**{**vars(args), "kv_events_endpoint": offset_endpoint(args.kv_events_endpoint, rank),
+                                 "kv_events_replay_endpoint": None if replay is None else offset_endpoint(replay, rank)})
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Raises ValueError for flags `serve --replicas` cannot serve: replicas < 1,
     a routing policy outside ROUTING_POLICIES, load-guard thresholds out of
-    range, --kv-events-endpoint (every replica would bind the same address)."""
+    range, a --kv-events-endpoint (or replay endpoint) that cannot be offset
+    for every replica's rank (replica_kv_events_args), or whose replicas' ports
+    would overlap the replay endpoint's."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
+    if getattr(args, "kv_events_replay_endpoint", None) and not getattr(args, "kv_events_endpoint", None):
+        raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (the events it replays)")
     if getattr(args, "kv_events_endpoint", None):
-        raise ValueError("--kv-events-endpoint with --replicas: every replica would bind the same address "
-                         "(not supported yet: run the replicas as separate servers to publish their events)")
+        ranks = [replica_kv_events_args(args, rank) for rank in range(args.replicas)]  # raises ValueError
+        bound = [a.kv_events_endpoint for a in ranks] + [a.kv_events_replay_endpoint for a in ranks
+                                                         if a.kv_events_replay_endpoint is not None]
+        if len(set(bound)) < len(bound):
+            raise ValueError(f"--kv-events-endpoint {args.kv_events_endpoint} and --kv-events-replay-endpoint "
+                             f"{args.kv_events_replay_endpoint}: with --replicas {args.replicas} replica i binds each "
+                             f"at its port + i, and these overlap; leave at least {args.replicas} ports between them")
     if args.routing not in ROUTING_POLICIES:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {args.routing!r}")
     if args.routing == "prefix":
