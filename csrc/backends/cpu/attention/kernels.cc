@@ -146,9 +146,11 @@ constexpr int kRows(int bs) {
   const int rows = vecs >= kAccRegs ? 1 : kAccRegs / vecs;
   return rows < 8 ? rows : 8;
 }
-// How many tiles ahead a tile step prefetches KV blocks (1 measured best:
-// docs/benchmarks.md, "Behind the code").
+// How many tiles ahead a tile step prefetches KV blocks, and into which cache
+// (__builtin_prefetch's locality: 2 = prefetcht1, L2; 1 tile into L2 measured
+// best: docs/benchmarks.md, "Behind the code").
 constexpr int kPrefetchTiles = 1;
+constexpr int kPrefetchLocality = 2;
 
 constexpr int pow2_floor(int x) { return x >= 2 ? 2 * pow2_floor(x / 2) : 1; }
 constexpr int clamp_int(int x, int lo, int hi) { return x < lo ? lo : (x > hi ? hi : x); }
@@ -178,7 +180,7 @@ void tile_scores(const float* q, const float* const* kt, const float* const* pf,
       if (pf != nullptr && ((i + k) * kRowBytes) % 64 + kRowBytes >= 64) {
         // as many 64-byte lines of each next block per step as this step reads
         for (int b = 0; b < 2 * NB; ++b) {
-          for (int o = 0; o < kRowBytes; o += 64) __builtin_prefetch(next[b] + (i + k) * kRowBytes + o);
+          for (int o = 0; o < kRowBytes; o += 64) __builtin_prefetch(next[b] + (i + k) * kRowBytes + o, 0, kPrefetchLocality);
         }
       }
       for (int b = 0; b < NBA; ++b) {
