@@ -135,10 +135,10 @@ def read_kv_events(subs, tokenizer) -> list[dict]:
     return seen
 
 
-def replay_kv_events(ctx) -> list:
+def replay_kv_events(ctx, tokenizer) -> list:
     """Each replica rank's replay endpoint asked for every batch from sequence
-    0: [(sequence, event types), ...] per rank, or None where nothing answered
-    within 5 s."""
+    0: per rank {"batches": [(sequence, event types), ...], "stored_text": the
+    text of every stored block}, or None where nothing answered within 5 s."""
     import msgpack
     import zmq
 
@@ -148,17 +148,19 @@ def replay_kv_events(ctx) -> list:
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.connect(f"tcp://127.0.0.1:{KV_REPLAY_PORT + rank}")
         dealer.send_multipart([b"", (0).to_bytes(8, "big")])
-        batches = []
+        reply = {"batches": [], "stored_text": []}
         while True:
             if not dealer.poll(5000, zmq.POLLIN):
-                batches = None
+                reply = None
                 break
             _empty, seq, payload = dealer.recv_multipart()
             if int.from_bytes(seq, "big", signed=True) == -1:
                 break
-            batches.append((int.from_bytes(seq, "big"), [e[0] for e in msgpack.unpackb(payload)[1]]))
+            events = msgpack.unpackb(payload)[1]
+            reply["batches"].append((int.from_bytes(seq, "big"), [e[0] for e in events]))
+            reply["stored_text"] += [tokenizer.decode(e[3]) for e in events if e[0] == "BlockStored"]
         dealer.close(0)
-        replies.append(batches)
+        replies.append(reply)
     return replies
 
 
@@ -218,8 +220,9 @@ def main(model: str, out_path: str) -> None:
                 a = answer(client, BASE, "/v1/completions",
                            {"prompt": prefix + f" question {i}?", "max_tokens": 2, "temperature": 0})
                 result["prefix_replicas"][name].append(a["replica"])
-        result["kv_events"] = read_kv_events(subs, AutoTokenizer.from_pretrained(model))
-        result["kv_replay"] = replay_kv_events(kv_ctx)
+        tokenizer = AutoTokenizer.from_pretrained(model)
+        result["kv_events"] = read_kv_events(subs, tokenizer)
+        result["kv_replay"] = replay_kv_events(kv_ctx, tokenizer)
         result["prefix_cache_hits"] = replica_samples(client, "vllm:prefix_cache_hits_total")
         result["replicas_in_metrics"] = sorted(replica_samples(client, "vllm:kv_cache_usage_perc"))
         result["disconnect"] = disconnect_during_stream(client)
@@ -238,7 +241,7 @@ def main(model: str, out_path: str) -> None:
             time.sleep(0.5)
         result["kill"]["replicas_in_metrics_after"] = sorted(replica_samples(client, "vllm:kv_cache_usage_perc"))
         result["kill"]["kv_usage_after"] = replica_samples(client, "vllm:kv_cache_usage_perc")
-        result["kill"]["kv_replay_after"] = replay_kv_events(kv_ctx)  # the replacement publishes at its rank's ports
+        result["kill"]["kv_replay_after"] = replay_kv_events(kv_ctx, tokenizer)  # the replacement: its rank's ports
         for sub in subs:
             sub.close(0)
         kv_ctx.term()

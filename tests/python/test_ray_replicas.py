@@ -120,23 +120,28 @@ def test_each_prefix_stays_on_its_own_replica(replicas):
 
 def test_each_replica_publishes_its_own_kv_events_at_its_rank_port(replicas):
     """--kv-events-endpoint with --replicas 2: replica i publishes at port + i.
-    Each prefix's blocks are announced by exactly one rank's stream, a
-    different one for the two prefixes (the prefix router put them on
-    different replicas); each stream's sequence numbers are gapless, and its
-    replay from 0 starts with AllBlocksCleared and holds what it sent."""
-    events, replay = replicas["kv_events"], replicas["kv_replay"]
-    ranks = {name: [rank for rank, seen in enumerate(events)
-                    if any(name in text for text in seen["stored_text"])] for name in PREFIXES}
+    Each prefix's blocks are announced by exactly one rank (its replay from
+    sequence 0, which starts with AllBlocksCleared), a different one for the
+    two prefixes (the prefix router put them on different replicas); what a
+    subscriber read live meanwhile is gapless and is in the replay. After a
+    replica is killed its replacement publishes at the same rank's ports,
+    starting again at sequence 0."""
+    live, replay = replicas["kv_events"], replicas["kv_replay"]
+    assert all(r is not None for r in replay)
+    ranks = {name: [rank for rank, r in enumerate(replay) if any(name in text for text in r["stored_text"])]
+             for name in PREFIXES}
     assert all(len(r) == 1 for r in ranks.values()), ranks
     assert ranks["alpha"] != ranks["beta"]
-    for seen, batches in zip(events, replay):
-        assert seen["types"] == ["BlockStored"], seen["types"]
-        assert seen["seqs"] == list(range(seen["seqs"][0], seen["seqs"][0] + len(seen["seqs"])))
-        assert batches[0] == [0, ["AllBlocksCleared"]]
-        assert [seq for seq, _ in batches] == list(range(len(batches)))
-        assert batches[-1][0] >= seen["seqs"][-1]
-    # after a replica was killed, its replacement took its rank: both ranks' replay endpoints answer again
-    assert all(b is not None and b[0] == [0, ["AllBlocksCleared"]] for b in replicas["kill"]["kv_replay_after"])
+    for seen, r in zip(live, replay):
+        seqs = [seq for seq, _ in r["batches"]]
+        assert r["batches"][0] == [0, ["AllBlocksCleared"]] and seqs == list(range(len(seqs)))
+        assert seen["seqs"] and seen["types"] == ["BlockStored"], seen
+        assert seen["seqs"] == list(range(seen["seqs"][0], seen["seqs"][-1] + 1))
+        assert set(seen["seqs"]) <= set(seqs)
+    after = replicas["kill"]["kv_replay_after"]
+    assert all(r is not None and r["batches"][0] == [0, ["AllBlocksCleared"]] for r in after)
+    # the killed replica's rank starts again (fewer batches than it had); the survivor's does not shrink
+    assert sorted(len(a["batches"]) < len(b["batches"]) for a, b in zip(after, replay)) == [False, True]
 
 
 def test_metrics_carry_a_replica_label(replicas):

@@ -70,7 +70,7 @@ def offset_endpoint(endpoint: str, rank: int) -> str:
     if transport != "tcp":
         return endpoint if rank == 0 else f"{endpoint}-{rank}"
     host, colon, port = address.rpartition(":")
-    if not colon or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+    if not colon or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) <= 65535:
         raise ValueError(f"{endpoint!r}: one endpoint per replica needs a TCP port number (1-65535), got {port!r}")
     if int(port) + rank > 65535:
         raise ValueError(f"{endpoint!r}: replica {rank} would bind port {int(port) + rank}, past 65535")

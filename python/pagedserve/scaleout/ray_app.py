@@ -79,13 +79,27 @@ class EngineReplica:
         logging.basicConfig(level=args.log_level.upper())
         torch.set_num_threads(max(1, int(args.replica_cpus)))  # the kernels' threads: the CPUs Ray reserved
         context = serve.get_replica_context()
+        self._kv_events_rank = None  # the rank whose ports this replica's KV events are bound at
         if getattr(args, "kv_events_endpoint", None):  # one publisher per replica: the endpoint offset by its rank
-            args = replica_kv_events_args(args, context.rank.rank)
+            self._kv_events_rank = context.rank.rank
+            args = replica_kv_events_args(args, self._kv_events_rank)
         self.engine = AsyncLLMEngine(LLMEngine(EngineArgs.from_cli_args(args)))
         self.app = create_app(self.engine, api_key=args.api_key, max_body_bytes=args.max_request_body_size)
         self._report_seq = 0
         self._last_report = None
         self.replica_id = context.replica_id.unique_id
+
+    def reconfigure(self, user_config, rank) -> None:
+        """Ray Serve's hook, called at start and when Serve renumbers its
+        replicas (rank: ray.serve.schema.ReplicaRank; user_config unused). The
+        KV-event sockets stay where they were bound: a new rank is logged as a
+        warning naming both (Serve renumbers only after a replica that was still
+        stopping when its replacement started; a replacement normally takes the
+        dead replica's rank)."""
+        if self._kv_events_rank is not None and rank.rank != self._kv_events_rank:
+            logger.warning("replica %s is now rank %d; its KV events stay at rank %d's ports (%s)",
+                           serve.get_replica_context().replica_id.unique_id, rank.rank, self._kv_events_rank,
+                           self.engine.engine.kv_events.endpoint)
 
     async def forward(self, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
                       body: bytes, block_hashes: list[bytes] = ()) -> AsyncIterator[ResponseStart | bytes]:
@@ -280,12 +294,20 @@ def replica_kv_events_args(args: argparse.Namespace, rank: int) -> argparse.Name
     """A copy of args whose --kv-events-endpoint (and --kv-events-replay-endpoint)
     are replica `rank`'s: each offset by the rank (kv_events.offset_endpoint), so
     replica i of N publishes on PORT+i (a replacement Serve starts for a dead
-    replica takes its rank, so its port). Raises ValueError as offset_endpoint."""
+    replica normally takes its rank, so its ports: EngineReplica.reconfigure).
+    Raises ValueError as offset_endpoint."""
     from ..engine.kv_events import offset_endpoint
 
     replay = getattr(args, "kv_events_replay_endpoint", None)
     return argparse.Namespace(**{**vars(args), "kv_events_endpoint": offset_endpoint(args.kv_events_endpoint, rank),
-                                 "kv_events_replay_endpoint": None if replay is None else offset_endpoint(replay, rank)})
+                                 "kv_events_replay_endpoint": replay and offset_endpoint(replay, rank)})
+
+
+def _bound_address(endpoint: str) -> str:
+    """What two endpoints on one machine must not share: a TCP endpoint's port
+    (tcp://*:5557 and tcp://127.0.0.1:5557 collide), any other endpoint whole."""
+    transport, _, address = endpoint.partition("://")
+    return "tcp port " + address.rpartition(":")[2] if transport == "tcp" else endpoint
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -300,8 +322,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--kv-events-replay-endpoint needs --kv-events-endpoint (the events it replays)")
     if getattr(args, "kv_events_endpoint", None):
         ranks = [replica_kv_events_args(args, rank) for rank in range(args.replicas)]  # raises ValueError
-        bound = [a.kv_events_endpoint for a in ranks] + [a.kv_events_replay_endpoint for a in ranks
-                                                         if a.kv_events_replay_endpoint is not None]
+        bound = [_bound_address(a.kv_events_endpoint) for a in ranks] + [
+            _bound_address(a.kv_events_replay_endpoint) for a in ranks if a.kv_events_replay_endpoint is not None]
         if len(set(bound)) < len(bound):
             raise ValueError(f"--kv-events-endpoint {args.kv_events_endpoint} and --kv-events-replay-endpoint "
                              f"{args.kv_events_replay_endpoint}: with --replicas {args.replicas} replica i binds each "

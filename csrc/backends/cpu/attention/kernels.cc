@@ -180,7 +180,9 @@ void tile_scores(const float* q, const float* const* kt, const float* const* pf,
       if (pf != nullptr && ((i + k) * kRowBytes) % 64 + kRowBytes >= 64) {
         // as many 64-byte lines of each next block per step as this step reads
         for (int b = 0; b < 2 * NB; ++b) {
-          for (int o = 0; o < kRowBytes; o += 64) __builtin_prefetch(next[b] + (i + k) * kRowBytes + o, 0, kPrefetchLocality);
+          for (int o = 0; o < kRowBytes; o += 64) {
+            __builtin_prefetch(next[b] + (i + k) * kRowBytes + o, 0, kPrefetchLocality);
+          }
         }
       }
       for (int b = 0; b < NBA; ++b) {
