@@ -115,23 +115,20 @@ def subscribe_kv_events(ctx) -> list:
     return subs
 
 
-def read_kv_events(subs, tokenizer) -> list[dict]:
+def read_kv_events(subs) -> list[dict]:
     """What each SUB socket received (until 2 s of quiet): the sequence
-    numbers, the event types, and the text of every stored block."""
+    numbers and the event types."""
     import msgpack
     import zmq
 
     seen = []
     for sub in subs:
-        seqs, types, stored_text = [], [], []
+        seqs, types = [], set()
         while sub.poll(2000, zmq.POLLIN):
             _topic, seq, payload = sub.recv_multipart()
             seqs.append(int.from_bytes(seq, "big"))
-            for event in msgpack.unpackb(payload)[1]:
-                types.append(event[0])
-                if event[0] == "BlockStored":  # [type, hashes, parent, token_ids, block_size, lora, medium]
-                    stored_text.append(tokenizer.decode(event[3]))
-        seen.append({"seqs": seqs, "types": sorted(set(types)), "stored_text": stored_text})
+            types.update(event[0] for event in msgpack.unpackb(payload)[1])
+        seen.append({"seqs": seqs, "types": sorted(types)})
     return seen
 
 
@@ -158,6 +155,7 @@ def replay_kv_events(ctx, tokenizer) -> list:
                 break
             events = msgpack.unpackb(payload)[1]
             reply["batches"].append((int.from_bytes(seq, "big"), [e[0] for e in events]))
+            # BlockStored: [type, hashes, parent, token_ids, block_size, lora, medium]
             reply["stored_text"] += [tokenizer.decode(e[3]) for e in events if e[0] == "BlockStored"]
         dealer.close(0)
         replies.append(reply)
@@ -221,7 +219,7 @@ def main(model: str, out_path: str) -> None:
                            {"prompt": prefix + f" question {i}?", "max_tokens": 2, "temperature": 0})
                 result["prefix_replicas"][name].append(a["replica"])
         tokenizer = AutoTokenizer.from_pretrained(model)
-        result["kv_events"] = read_kv_events(subs, tokenizer)
+        result["kv_events"] = read_kv_events(subs)
         result["kv_replay"] = replay_kv_events(kv_ctx, tokenizer)
         result["prefix_cache_hits"] = replica_samples(client, "vllm:prefix_cache_hits_total")
         result["replicas_in_metrics"] = sorted(replica_samples(client, "vllm:kv_cache_usage_perc"))

@@ -97,9 +97,8 @@ class EngineReplica:
         stopping when its replacement started; a replacement normally takes the
         dead replica's rank)."""
         if self._kv_events_rank is not None and rank.rank != self._kv_events_rank:
-            logger.warning("replica %s is now rank %d; its KV events stay at rank %d's ports (%s)",
-                           serve.get_replica_context().replica_id.unique_id, rank.rank, self._kv_events_rank,
-                           self.engine.engine.kv_events.endpoint)
+            logger.warning("replica %s is now rank %d; its KV events stay at rank %d's ports (%s)", self.replica_id,
+                           rank.rank, self._kv_events_rank, self.engine.engine.kv_events.endpoint)
 
     async def forward(self, method: str, path: str, query_string: bytes, headers: list[tuple[str, str]],
                       body: bytes, block_hashes: list[bytes] = ()) -> AsyncIterator[ResponseStart | bytes]:

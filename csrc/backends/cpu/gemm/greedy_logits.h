@@ -17,11 +17,11 @@
 // u, covers gamma_n while n u <= 1/2 (K up to 2^22; larger K takes the full
 // layer). Where values come near underflow, an absolute 2^-100 in the
 // comparison covers what subnormal results can lose; where a partial sum could
-// come near overflow (norm[j] C 2^23 above 2^120), the full layer. An output whose upper bound a + B
-// lies below the largest lower bound a - B of its row cannot be the row's
-// maximum in the exact pass; the others (the candidates, usually a few of a
-// vocabulary) are computed exactly by linear_f32's own kernel
-// (QuantizedWeight::linear_f32_groups, whole 16-row groups). The bound holds
+// come near overflow (norm[j] C 2^23 above 2^120), the full layer. An output
+// whose upper bound a + B lies below the largest lower bound a - B of its row
+// cannot be the row's maximum in the exact pass; the others (the candidates,
+// usually a few of a vocabulary) are computed exactly by linear_f32's own
+// kernel (QuantizedWeight::linear_f32_groups, whole 16-row groups). The bound holds
 // for every rounding, so the result never depends on how close the logits
 // are: an exact tie stays a tie.
 //
@@ -48,10 +48,11 @@ bool prunes_greedy_logits(const QuantizedWeight& w);
 // first maximum's index per row (torch.argmax, numpy argmax) is linear_f32's.
 // Falls back to linear_f32 in full (all values) for a single row (M = 1: no
 // faster there), K above 2^22, where prunes_greedy_logits is false, where a
-// partial sum could overflow (above), where x holds a value that is not finite (NaN must win argmax as it
-// does there), where a first-pass value is not finite, or where more than a
-// quarter of the row groups are candidates. num_threads in [1, 1024].
-// Throws KernelArgumentError (before writing anything).
+// partial sum could overflow (above), where x holds a value that is not finite
+// (NaN must win argmax as it does there), where a first-pass value is not
+// finite, or where more than a quarter of the row groups are candidates.
+// num_threads in [1, 1024]. Throws KernelArgumentError (before writing
+// anything).
 void greedy_logits(const QuantizedWeight& w, const TensorArg& x, const TensorArg& out, int num_threads);
 
 // The same on raw pointers (checked by the caller) with the given variant's kernels.
