@@ -87,6 +87,7 @@ def test_every_runnable_variant_agrees(gguf_tensors):
     gguf, tensors = gguf_tensors
     w, n, k = build(tensors["blk.1.ffn_up.weight"])
     x = torch.randn(9, k, generator=torch.Generator().manual_seed(0))
+    x[::2, ::97] *= 1000  # outliers as a real down_proj input has (amax / mean ~1200): int8 groups at their extremes
     active = cpu.kernel_isa()
     outs = {}
     try:

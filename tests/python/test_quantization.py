@@ -17,6 +17,10 @@ from pagedserve.model.linear_method import LinearMethodTable
 from pagedserve.model.quantization import QuantizedMethod, QuantLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+# how far (natural log) a q4 greedy token may sit below float32's best after the same prefix: ~2.8x the
+# largest gap measured on test_q4_engine_on_smollm2's prompts (0.18 with the AVX2, AVX-512 and baseline
+# kernels, 2026-12-07)
+TOKEN_NATS = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -69,12 +73,24 @@ def test_q4_engine_on_smollm2_starts_and_agrees_with_float32(smollm2_dir):
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(100, 49152, (n,), generator=g).tolist() for n in (8, 24, 40, 64)]
     got = [o.outputs[0].token_ids for o in q4.generate(prompts, GREEDY, use_tqdm=False)]
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, GREEDY, use_tqdm=False)]
-    first = [g_[0] == w[0] for g_, w in zip(got, want)]
-    same = sum(a == b for g_, w in zip(got, want) for a, b in zip(g_, w))
-    # int8 activations move the logits a little: the first greedy token stays; a later tie may flip
-    # (a broken kernel agrees with float32 about 1 time in 49152)
-    assert all(first) and same >= 0.5 * sum(map(len, want))
+    # float32's distribution at every position of q4's own outputs (the prompt and q4's tokens, scored)
+    scored = ref.generate([p + g_ for p, g_ in zip(prompts, got)],
+                          SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20), use_tqdm=False)
+    gaps = []
+    for p, g_, o in zip(prompts, got, scored):
+        for pos, token in enumerate(g_):
+            lp = o.prompt_logprobs[len(p) + pos]
+            assert lp.token_id == token
+            top = dict(lp.top)  # float32's 20 most likely tokens after the same prefix
+            gaps.append(max(top.values()) - lp.logprob)
+            # int8 activations move the logits a little (a rounding step is 1/127 of a row group's range,
+            # and a last-bit difference upstream, e.g. RMSNorm's sum order on another ISA, flips roundings
+            # that sit on a boundary): measured gaps stay below 0.18 nats on AVX2, AVX-512 and the baseline kernels. So each q4 token is one float32
+            # ranks within TOKEN_NATS of its best after the same prefix; a broken kernel picks tokens float32
+            # ranks far below (a random one is not among its top 20).
+            assert token in top and gaps[-1] <= TOKEN_NATS, (pos, token, gaps[-1], lp.rank)
+    # and most are float32's own choice (near-ties aside)
+    assert sum(gap == 0 for gap in gaps) >= 0.75 * len(gaps), gaps
 
 
 def dequantised_copy(model_dir: str, qtype: str, path) -> str:
