@@ -2,8 +2,11 @@
 streams each request's outputs to the asyncio task that waits for it.
 
 Every call that touches the engine (add, abort, step) happens on the engine
-thread, in the order the inbox received them; aborts take effect before the
-next step, so a disconnected client's blocks are freed within one step.
+thread, in the order the inbox received them, with one exception: an abort of
+a request the forward pass in flight does not compute takes effect at once, on
+the caller's thread (LLMEngine.abort_unscheduled, under the engine's lock); a
+request in that step is aborted right after it, so a disconnected client's
+blocks are freed within one step, and a queued one's at once.
 """
 
 from __future__ import annotations
@@ -95,7 +98,12 @@ class AsyncLLMEngine:
         return await future
 
     def abort(self, request_id: str) -> None:
-        """Asks the engine thread to abort a request (no-op if it already ended)."""
+        """Aborts a request (no-op if it already ended): at once where the
+        forward pass now running does not compute it (a queued request of a
+        client that left goes whatever that step costs), else by the engine
+        thread right after that step. The message is queued in both cases: it
+        also ends a request whose "add" is still in the inbox."""
+        self.engine.abort_unscheduled(request_id)
         self._send(("abort", request_id))
 
     def abort_all(self) -> None:
@@ -118,7 +126,12 @@ class AsyncLLMEngine:
 
     # ---- the engine thread ------------------------------------------------
     def _drain_inbox(self) -> None:
-        """Applies every queued add/abort, then republishes the scheduler metrics."""
+        """Applies every queued add/abort, then republishes the scheduler metrics
+        (under the engine's lock: another thread may abort meanwhile)."""
+        with self.engine.lock:
+            self._drain_inbox_locked()
+
+    def _drain_inbox_locked(self) -> None:
         drained = False
         while True:
             try:
@@ -161,7 +174,8 @@ class AsyncLLMEngine:
     def _fail_all(self, err: Exception) -> None:
         """Aborts every request and tells every waiter (also those whose request
         finished inside the failed step, or never reached the engine)."""
-        self.engine.abort_all()
+        with self.engine.lock:
+            self.engine.abort_all()
         for request_id in list(self._streams):
             self._deliver(request_id, err)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 import logging
 import numbers
+import threading
 import time
 
 import torch
@@ -91,6 +92,10 @@ class LLMEngine:
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
+        # Held by every change of the engine's state except the forward pass of step(), so that
+        # abort_unscheduled can end a request from another thread while a (long) forward runs.
+        self.lock = threading.RLock()
+        self._in_flight: frozenset[str] = frozenset()  # request ids the forward pass now running computes
         self.metrics = EngineMetrics(self.model_name, self.max_model_len,
                                      per_priority=args.scheduling_policy == "priority",
                                      speculative=args.speculative != "off")
@@ -219,27 +224,48 @@ class LLMEngine:
         self.observe_scheduler()
         return out
 
+    def abort_unscheduled(self, request_id: str) -> bool:
+        """Aborts a request at once, from any thread, unless the forward pass
+        now running computes it: a waiting (queued or preempted) request, or a
+        running one this step did not schedule, ends and gives back its blocks
+        without waiting for the step in flight, however long that step takes.
+        Returns True if it ended the request here; False if it is in the step
+        in flight (abort it after the step: abort_request) or unknown."""
+        with self.lock:
+            if request_id in self._in_flight or request_id not in self.requests:
+                return False
+            self.abort_request(request_id)
+            return True
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the step -------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns an output for each request that sampled."""
-        if self.spec_decoder is not None:
-            self.spec_decoder.propose(self.requests.values())
-        out = self.scheduler.schedule()  # 1. the decision
-        if out.empty:
-            return []
-        batch = self._begin_step(out)
-        result = self.runner.execute(batch.runner_input)  # 2. forward and sampling
-        logprob_of, kept, ended_text = self._take_results(batch, result)
-        # 3. this side's findings per token (text, stop strings, grammars), then the commit: update() is the one
-        # place that decides which sequences end and why
-        finished_by_caller = [self._apply_sample(slot, token, kept.get(slot, ()), logprob_of.get(slot),
-                                                 slot in ended_text)
-                              for slot, token in zip(batch.slots, result.sampled.token_ids)]
-        updates = self.scheduler.update(result.sampled.token_ids, finished_by_caller)
-        return self._end_step(updates, sum(map(len, kept.values())))
+        """Runs one engine step; returns an output for each request that sampled.
+        Holds self.lock throughout but for the forward pass (abort_unscheduled)."""
+        with self.lock:
+            if self.spec_decoder is not None:
+                self.spec_decoder.propose(self.requests.values())
+            out = self.scheduler.schedule()  # 1. the decision
+            if out.empty:
+                return []
+            batch = self._begin_step(out)
+            self._in_flight = frozenset(out.request_ids)
+        try:
+            result = self.runner.execute(batch.runner_input)  # 2. forward and sampling
+        finally:
+            with self.lock:
+                self._in_flight = frozenset()
+        with self.lock:
+            logprob_of, kept, ended_text = self._take_results(batch, result)
+            # 3. this side's findings per token (text, stop strings, grammars), then the commit: update() is the
+            # one place that decides which sequences end and why
+            finished_by_caller = [self._apply_sample(slot, token, kept.get(slot, ()), logprob_of.get(slot),
+                                                     slot in ended_text)
+                                  for slot, token in zip(batch.slots, result.sampled.token_ids)]
+            updates = self.scheduler.update(result.sampled.token_ids, finished_by_caller)
+            return self._end_step(updates, sum(map(len, kept.values())))
 
     def _begin_step(self, out) -> StepBatch:
         """Counts the step, records it in the timelines and the requests' first
