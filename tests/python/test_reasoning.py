@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedserve.reasoning import PARSERS, ReasoningStreamer, get_parser, reasoning_token_count
-from pagedserve.structured_output.reasoning_gate import ReasoningGate
+from pagedserve.structured_output.reasoning_gate import ReasoningGate, StartTagTokens
 
 CASES = {  # text -> (deepseek_r1 split, qwen3 split)
     "<think>abc</think>xyz": (("abc", "xyz"), ("abc", "xyz")),
@@ -58,45 +58,85 @@ def test_reasoning_token_count_ends_with_the_token_that_closes_the_tag():
 
 
 class _Grammar:
-    """Stand-in GrammarState: allows only token 9, records what it accepted."""
+    """Stand-in GrammarState: allows only the tokens in `ok` (9 by default), records what it accepted."""
 
-    def __init__(self):
-        self.accepted = []
+    def __init__(self, ok=(9,), accepted=None):
+        self.ok, self.accepted = set(ok), list(accepted or [])
+
+    def allowed(self):
+        out = torch.zeros(10, dtype=torch.bool)
+        out[sorted(self.ok)] = True
+        return out
 
     def mask_logits(self, logits):
-        out = torch.full_like(logits, float("-inf"))
-        out[9] = logits[9]
-        return out
+        return logits.masked_fill(~self.allowed(), float("-inf"))
+
+    def fork(self):
+        return _Grammar(self.ok, self.accepted)
 
     def admits_any(self):
         return True
 
     def accept(self, token_id):
         self.accepted.append(token_id)
-        return token_id == 9
+        return token_id in self.ok
 
     @property
     def terminated(self):
         return False
 
 
+PIECES = {0: b"<", 1: b"<think>", 2: b"hm", 3: b"</think>", 4: b"th", 5: b"x", 6: b"ink>", 7: b"", 8: b"<t", 9: b"7"}
+EOS = [7]
+
+
+def _gate(name, grammar, ended=False):
+    start = StartTagTokens(PARSERS[name].start, PIECES.__getitem__, 10, 10)
+    return ReasoningGate(grammar, PARSERS[name], PIECES.__getitem__, EOS, start, ended)
+
+
+def _allowed(gate):
+    return set(torch.isfinite(gate.mask_logits(torch.zeros(10))).nonzero().flatten().tolist())
+
+
 def test_the_gate_opens_after_the_reasoning():
-    pieces = {1: b"<think>", 2: b"hm", 3: b"</think>", 9: b"7", 5: b"x"}
-    logits = torch.zeros(10)
     g = _Grammar()
-    gate = ReasoningGate(g, PARSERS["deepseek_r1"], pieces.__getitem__)
+    gate = _gate("deepseek_r1", g)  # the template opened the reasoning
     for t in (1, 2, 5):
-        assert not torch.isinf(gate.mask_logits(logits)).any() and gate.accept(t)
+        assert _allowed(gate) == set(range(10)) - {7} and gate.accept(t)  # free, but no end of sequence
     assert gate.accept(3) and g.accepted == []  # the closing tag is the last free token
-    assert torch.isinf(gate.mask_logits(logits)).sum() == 9 and gate.accept(9) and g.accepted == [9]
+    assert _allowed(gate) == {9} and gate.accept(9) and g.accepted == [9]
     assert not gate.accept(5)
-    opened = ReasoningGate(_Grammar(), PARSERS["deepseek_r1"], pieces.__getitem__, ended=True)
-    assert torch.isinf(opened.mask_logits(logits)).sum() == 9
-    # qwen3: an output that does not open with <think> was the answer from its first token
-    g = _Grammar()
-    assert ReasoningGate(g, PARSERS["qwen3"], pieces.__getitem__).accept(9) and g.accepted == [9]
+    assert _allowed(_gate("deepseek_r1", _Grammar(), ended=True)) == {9}
     assert PARSERS["qwen3"].ended_in_prompt("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not PARSERS["qwen3"].ended_in_prompt("</think> earlier turn <think>\n")
+
+
+def test_an_undecided_output_is_constrained_from_its_first_token():
+    """qwen3: the first tokens may open <think> or begin the answer under the
+    grammar, nothing else: a model that does not think never escapes the constraint."""
+    g = _Grammar()
+    gate = _gate("qwen3", g)
+    assert _allowed(gate) == {0, 1, 8, 9}  # on the way to <think> ("<", "<think>", "<t") or the grammar's
+    assert gate.accept(9) and g.accepted == [9] and gate.ended  # the answer began
+    assert _allowed(gate) == {9}
+    # "<" could begin either: the next token may continue the tag, or whatever the grammar takes after "<"
+    g = _Grammar(ok=(0, 9))
+    gate = _gate("qwen3", g)
+    assert gate.accept(0) and not gate.ended and g.accepted == []
+    assert _allowed(gate) == {0, 4, 9}  # "th" toward the tag; "<" and "7" the grammar's after "<"
+    assert gate.accept(9) and gate.ended and g.accepted == [0, 9]
+    # a "<" the grammar refuses: only the tag may follow
+    gate = _gate("qwen3", _Grammar())
+    assert gate.accept(0) and _allowed(gate) == {4}
+    # opened: free (no end of sequence) until the end tag, then the grammar
+    g = _Grammar()
+    gate = _gate("qwen3", g)
+    for t in (0, 4, 6):  # "<", "th", "ink>"
+        assert gate.accept(t)
+    assert gate.reasoning and not gate.ended and _allowed(gate) == set(range(10)) - {7}
+    assert gate.accept(2) and gate.accept(3) and gate.ended and g.accepted == []
+    assert _allowed(gate) == {9}
 
 
 TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endfor %}"

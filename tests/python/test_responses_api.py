@@ -32,6 +32,22 @@ def test_greedy_text_equals_chat_completions(server, client):
     assert items.output_text == r.output_text
     cut = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=2)
     assert cut.status == "incomplete" and cut.incomplete_details.reason == "max_output_tokens"
+    assert [o.status for o in cut.output] == ["incomplete"]  # the message it was cut in says so too
+
+
+def test_a_cut_stream_marks_its_item_incomplete(client):
+    done, final = [], None
+    for event in client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=2,
+                                         stream=True):
+        if event.type == "response.output_item.done":
+            done.append(event.item)
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event
+    assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+    assert [(i.type, i.status) for i in done] == [("message", "incomplete")]
+    assert [o.status for o in final.response.output] == ["incomplete"]
+    whole = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40)
+    assert whole.status == "completed" and [o.status for o in whole.output] == ["completed"]
 
 
 def test_stream_events_add_up_to_the_response(client):

@@ -89,6 +89,7 @@ class LLMEngine:
         self.timelines = Timelines(args.request_timelines)
         self.num_steps = 0  # engine steps that ran (the timelines' step numbers)
         self._structured_output = None  # StructuredOutputManager, built on the first constrained request
+        self._start_tokens = None  # StartTagTokens, built on the first constrained request with a reasoning parser
         self.token_bytes = TokenBytes(self.tokenizer) if self.tokenizer is not None else None
         self._ids = itertools.count()
         self.last_step_shape = (0, 0)  # (tokens computed, sum of seq_lens) of the last step that ran
@@ -113,6 +114,17 @@ class LLMEngine:
             self._structured_output = StructuredOutputManager(self.tokenizer, self.model.config.vocab_size,
                                                               self.eos_token_ids)
         return self._structured_output
+
+    @property
+    def reasoning_start_tokens(self):
+        """With a reasoning parser: the StartTagTokens of its start tag for this
+        tokenizer (built on first use), which every ReasoningGate shares."""
+        if self._start_tokens is None:
+            from ..structured_output.reasoning_gate import StartTagTokens
+
+            self._start_tokens = StartTagTokens(self.reasoning_parser.start, self.token_bytes,
+                                                self.model.config.vocab_size, len(self.tokenizer))
+        return self._start_tokens
 
     def tokenize(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         """Prompt text -> token ids (token-id prompts pass through unchanged).
@@ -188,7 +200,8 @@ class LLMEngine:
                 ended = params.reasoning_ended
                 if ended is None:
                     ended = self.reasoning_ended_in_prompt(ids)
-                grammars = [ReasoningGate(g, self.reasoning_parser, self.token_bytes, ended) for g in grammars]
+                grammars = [ReasoningGate(g, self.reasoning_parser, self.token_bytes, self.eos_token_ids,
+                                          self.reasoning_start_tokens, ended) for g in grammars]
         req = Request.create(request_id, prompt if isinstance(prompt, str) else None, ids, params, self.tokenizer,
                              grammars)
         req.priority = priority

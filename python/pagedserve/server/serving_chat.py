@@ -59,10 +59,16 @@ class OpenAIServingChat(OpenAIServing):
         reasoning, so the output is all answer. Only what the template adds
         after the messages counts (the generation prompt, e.g. an empty
         <think></think> when thinking is off), or, continuing a final assistant
-        message, that message's own text; a tag in a user's text does not."""
+        message, that message's own text; a tag in a user's text does not. A
+        template that names neither of the parser's tags (SmolLM2's) never
+        lets its model think in that format: the output is all answer,
+        constrained from its first token (docs/serving.md, "Reasoning")."""
         parser = self.core.reasoning_parser
         if parser is None:
             return False
+        source = self.renderer.template_of(template)
+        if parser.start not in source and parser.end not in source:
+            return True
         if template.continue_final_message:
             return parser.ended_in_prompt(messages[-1].text())
         if not template.add_generation_prompt:

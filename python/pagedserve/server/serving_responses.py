@@ -12,7 +12,8 @@ request and run by OpenAIServingChat.respond, the same pipeline as
   template's reasoning_effort where the template reads it.
 - Output items: `reasoning` (with --reasoning-parser), `message`
   (output_text), `function_call`; status "incomplete" with reason
-  max_output_tokens when the output was cut.
+  max_output_tokens when the output was cut, and so is the item it was cut
+  in (the last; in the stream, its response.output_item.done), as OpenAI's.
 - Streaming: the typed events (response.created, response.in_progress,
   response.output_item.added, response.content_part.added,
   response.output_text.delta / .done, response.reasoning_text.delta / .done,
@@ -187,6 +188,8 @@ class OpenAIServingResponses:
             output.append({"type": "function_call", "id": new_id("fc"), "call_id": call.id,
                            "name": call.function.name, "arguments": call.function.arguments, "status": "completed"})
         status, details = self._finish(c.finish_reason)
+        if status == "incomplete" and output:  # the item being written when the output was cut
+            output[-1]["status"] = "incomplete"
         return self._shell(req, f"resp_{r.id.split('-', 1)[-1]}", status, output=output,
                            incomplete_details=details, usage=self._usage(r.usage))
 
@@ -202,7 +205,8 @@ class OpenAIServingResponses:
             seq += 1
             return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq - 1, **data})}\n\n"
 
-        def close() -> list[str]:
+        def close(status: str = "completed") -> list[str]:
+            """Ends the open item: status "incomplete" for the one the output was cut in."""
             nonlocal open_item
             if open_item is None:
                 return []
@@ -218,7 +222,7 @@ class OpenAIServingResponses:
             else:
                 out.append(ev("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                               arguments=item["arguments"]))
-            item["status"] = "completed"
+            item["status"] = status
             out.append(ev("response.output_item.done", output_index=index, item=item))
             open_item = None
             return out
@@ -269,9 +273,9 @@ class OpenAIServingResponses:
                             yield ev("response.function_call_arguments.delta", item_id=open_item["id"],
                                      output_index=len(output) - 1, delta=fn["arguments"])
                     finish = choice.finish_reason or finish
-            for e in close():
-                yield e
             status, details = self._finish(finish)
+            for e in close(status):
+                yield e
             final = self._shell(req, rid, status, output=output, incomplete_details=details,
                                 usage=self._usage(usage) if usage else None)
             yield ev("response.completed" if status == "completed" else "response.incomplete",

@@ -37,6 +37,15 @@ class GrammarState:
         xgr.apply_token_bitmask_inplace(out, self._bitmask, vocab_size=self.vocab_size)
         return out[0]
 
+    def allowed(self) -> torch.Tensor:
+        """[vocab_size] bool: the tokens the grammar can take next."""
+        return torch.isfinite(self.mask_logits(torch.zeros(self.vocab_size)))
+
+    def fork(self) -> GrammarState:
+        """An independent copy at the same point of the grammar (xgrammar's
+        GrammarMatcher.fork): advancing one leaves the other where it was."""
+        return GrammarState(self.matcher.fork(), self.vocab_size)
+
     def admits_any(self) -> bool:
         """True when the grammar allows at least one next token (or its end)."""
         self.matcher.fill_next_token_bitmask(self._bitmask)
