@@ -35,3 +35,14 @@ class InvalidStructuredOutputError(PagedServeError, ValueError):
     def __init__(self, kind: str, message: str) -> None:
         super().__init__(message)
         self.kind = kind
+
+
+class UnenforceableConstraintError(PagedServeError, ValueError):
+    """A structured-output constraint combined with a sampling field that the
+    grammar's mask could not honour at the same time (the grammar decides
+    which tokens come and where the output ends): refused rather than served
+    without one of them. ``param`` names that field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param

@@ -205,6 +205,26 @@ class SamplingParams:
                 raise ValueError("bad_words_token_ids must be non-empty lists of token ids")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise ValueError(f"bad_words must be non-blank strings, got {self.bad_words}")
+        if self.structured_outputs is not None:
+            self._check_enforceable()
+
+    def _check_enforceable(self) -> None:
+        """Raises UnenforceableConstraintError for a field the constraint
+        could not be honoured together with: min_tokens (the grammar may end
+        sooner), allowed_token_ids and bad words (the grammar may need a token
+        they forbid: no token would be left to draw)."""
+        from .errors import UnenforceableConstraintError
+
+        conflicts = (("min_tokens", self.min_tokens > 0, "the grammar decides where the output ends"),
+                     ("allowed_token_ids", self.allowed_token_ids is not None,
+                      "the grammar may need a token it leaves out"),
+                     ("bad_words", bool(self.bad_words or self.bad_words_token_ids),
+                      "the grammar may need a token they forbid"))
+        for name, given, why in conflicts:
+            if given:
+                raise UnenforceableConstraintError(
+                    name, f"`{name}` cannot be enforced together with a structured-output constraint "
+                          f"(response_format, tool_choice required or named, structured_outputs): {why}")
 
     @property
     def has_token_filters(self) -> bool:

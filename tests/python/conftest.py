@@ -102,17 +102,28 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
 
 
+def _tiny_tools_server(smollm2_dir, tmp_path_factory, *flags):
+    from serverlib import start_server, stop_server
+
+    path = make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_tools_chat"), 512)
+    proc, base = start_server("--model", path, "--dtype", "float32", "--max-model-len", "512",
+                              "--chat-template", "chatml-tools", "--log-level", "warning", *flags)
+    yield base, path
+    stop_server(proc)
+
+
 @pytest.fixture(scope="session")
 def tiny_tools_server(smollm2_dir, tmp_path_factory):
     """(base URL, model folder) of a server of a tiny random chat model with
     SmolLM2's tokenizer under --chat-template chatml-tools: tool calls end to
     end where a constraint (tool_choice required or a named function) decides
     the output, so a random model's answer is a call."""
-    from serverlib import start_server, stop_server
+    yield from _tiny_tools_server(smollm2_dir, tmp_path_factory)
 
-    path = make_tiny_chat_model(smollm2_dir, tmp_path_factory.mktemp("tiny_tools_chat"), 512)
-    proc, base = start_server("--model", path, "--dtype", "float32", "--max-model-len", "512",
-                              "--chat-template", "chatml-tools", "--log-level", "warning")
-    yield base, path
-    stop_server(proc)
+
+@pytest.fixture(scope="session")
+def tiny_tools_server_qwen3(smollm2_dir, tmp_path_factory):
+    """tiny_tools_server's model and template with --reasoning-parser qwen3
+    (the template names no <think>: a model that never thinks)."""
+    yield from _tiny_tools_server(smollm2_dir, tmp_path_factory, "--reasoning-parser", "qwen3")
 

@@ -17,6 +17,7 @@ from fastapi import Request
 
 from ..engine.async_engine import AsyncLLMEngine
 from ..engine.outputs import RequestOutput
+from ..errors import UnenforceableConstraintError
 from ..sampling_params import SamplingParams, StructuredOutputsParams
 from .errors import APIError, ClientDisconnected
 from .protocol import CompletionTokensDetails, PromptTokensDetails, UsageInfo, _Request
@@ -162,6 +163,8 @@ class OpenAIServing:
                 logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words or [],
                 skip_special_tokens=req.skip_special_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 structured_outputs=structured_outputs)
+        except UnenforceableConstraintError as e:
+            raise APIError(400, str(e), param=e.param, code="unsupported_parameter") from e
         except ValueError as e:
             raise APIError(400, str(e)) from e
 
