@@ -13,6 +13,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 import torch
 
@@ -130,8 +131,39 @@ def test_timeline_over_http(server):
     # finished, and this server keeps none (--request-timelines 0)
     gone = httpx.get(f"{server}/v1/requests/{r['id']}/timeline", timeout=10)
     assert gone.status_code == 404 and gone.json()["error"]["param"] == "request_id"
-    refused = httpx.post(server + "/v1/completions", json={**body, "stream": True}, timeout=60)
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "timeline"
+
+
+def _events(server, route, body):
+    with httpx.stream("POST", server + route, json={**body, "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_a_streamed_request_gets_its_timeline_in_the_last_chunk(server):
+    body = {"model": MODEL, "prompt": ["Once upon a time", "The capital of France"], "max_tokens": 8,
+            "temperature": 0, "timeline": True, "stream_options": {"include_usage": True}}
+    events = _events(server, "/v1/completions", body)
+    last = events[-1]
+    assert last["choices"] == [] and len(last["timeline"]) == 2 and "timeline" not in events[-2]
+    usage = events[-2]["usage"]  # the usage chunk comes before it
+    for i, t in enumerate(last["timeline"]):
+        assert t["status"] == "finished" and t["request_id"] == f"{last['id']}-{i}"
+        assert t["steps"][0]["phase"] == "prefill"
+    assert sum(t["num_output_tokens"][0] for t in last["timeline"]) == usage["completion_tokens"]
+    assert all("timeline" not in e for e in _events(server, "/v1/completions", {**body, "timeline": False}))
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0,
+            "timeline": True}
+    events = _events(server, "/v1/chat/completions", chat)
+    (t,) = events[-1]["timeline"]
+    assert events[-1]["choices"] == [] and t["request_id"] == events[-1]["id"] and t["status"] == "finished"
+    assert 1 <= t["num_output_tokens"][0] <= 4
+    # the openai SDK reads the stream as it always does; the extension rides on the last chunk
+    client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0)
+    chunks = list(client.chat.completions.create(stream=True, extra_body={"timeline": True},
+                                                 **{k: v for k, v in chat.items() if k != "timeline"}))
+    assert chunks[-1].choices == [] and chunks[-1].model_extra["timeline"][0]["status"] == "finished"
 
 
 def test_running_request_timeline(server):

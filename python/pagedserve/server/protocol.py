@@ -119,7 +119,8 @@ class _Request(RequestBody):
     # vLLM's: per prompt token its logprob, rank and this many alternatives (not with stream)
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20)
     include_stop_str_in_output: bool = False  # vLLM's: keep the stop string that ended the text
-    # PagedServe's extension: the response carries each prompt's timeline (engine/timeline.py), not with stream
+    # PagedServe's extension: the response carries each prompt's timeline (engine/timeline.py); streamed, the
+    # last chunk before [DONE] does (its choices empty)
     timeline: bool = False
     guided_decoding_backend: str | None = None  # vLLM's: only xgrammar here ("auto" and "xgrammar" accepted)
     # accepted, either value: the detokenizer (tokenizers' fast decoder) never puts spaces between special tokens
@@ -383,6 +384,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: UsageInfo | None = None
+    timeline: list[dict[str, Any]] | None = _timeline_field()  # the last chunk's, with `timeline: true`
 
 
 class TokenizeRequest(ChatTemplateFields):

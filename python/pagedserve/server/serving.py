@@ -122,10 +122,6 @@ class OpenAIServing:
         if req.guided_decoding_backend not in (None, "auto", "xgrammar"):
             refuse("guided_decoding_backend", f"{req.guided_decoding_backend!r} is not available: this server's "
                                               "structured outputs run on xgrammar (auto or xgrammar)")
-        if req.timeline and req.stream:
-            raise APIError(400, "`timeline` (PagedServe's extension) comes with a non-streamed response; a streamed "
-                                "request's is at GET /v1/requests/{id}/timeline under --request-timelines N",
-                           param="timeline")
         if req.stream_options is not None and not req.stream:
             raise APIError(400, "`stream_options` needs `stream: true`", param="stream_options")
         if req.n > self.core.args.max_num_seqs:
@@ -286,18 +282,19 @@ class OpenAIServing:
                 await g.aclose()
 
     async def generate_stream(self, raw: Request, prompts: list[list[int]], params: list[SamplingParams],
-                              request_id: str, cache_salt: str | None, priority: int = 0
+                              request_id: str, cache_salt: str | None, priority: int = 0, timeline: bool = False
                               ) -> tuple[list[RequestOutput], AsyncIterator[tuple[int, RequestOutput]]]:
         """Starts every prompt and waits for their first outputs (so a rejected
         request is still a plain 400, not a broken stream). Returns those and an
         iterator over (prompt index, output) that yields them again, in prompt
         order, then the rest as they come; closing it (a client that went away)
-        aborts every request.
+        aborts every request. timeline: record each prompt's timeline (its
+        final output carries it; GET /v1/requests/{id}/timeline shows it live).
 
         Raises:
             APIError (400 rejected, 503 engine failure), ClientDisconnected.
         """
-        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority)
+        ids, gens = self._submit(prompts, params, _engine_id(raw, request_id), cache_salt, priority, timeline)
         try:
             firsts = await self._until_disconnect(raw, self._first_outputs(gens), ids)
         except BaseException:

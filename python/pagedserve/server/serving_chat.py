@@ -156,7 +156,8 @@ class OpenAIServingChat(OpenAIServing):
 
             slow = req.logprobs or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()
-        firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority)
+        firsts, outputs = await self.generate_stream(raw, [ids], [params], request_id, req.cache_salt, req.priority,
+                                                     req.timeline)
         return self._stream(req, plan, thinks, request_id, firsts[0], outputs)
 
     @staticmethod
@@ -226,5 +227,7 @@ class OpenAIServingChat(OpenAIServing):
             if req.include_usage:
                 yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[],
                                           usage=self.usage(last, thinks))
+            if req.timeline:  # the final output carries it
+                yield ChatCompletionChunk(id=request_id, model=self.model_name, choices=[], timeline=[last.timeline])
         finally:
             await outputs.aclose()

@@ -69,7 +69,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
             slow = req.logprobs is not None or req.prompt_logprobs is not None
             return await run_in_threadpool(response) if slow else response()
-        firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt, req.priority)
+        firsts, outputs = await self.generate_stream(raw, prompts, params, request_id, req.cache_salt, req.priority,
+                                                     req.timeline)
         return StreamingResponse(self._stream(req, request_id, firsts, outputs), media_type="text/event-stream")
 
     def _prompt_text(self, out: RequestOutput) -> str:
@@ -135,6 +136,9 @@ class OpenAIServingCompletion(OpenAIServing):
                     yield chunk(index, c.delta_text, lp, c.finish_reason, c.stop_reason)
             if req.include_usage:
                 yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[], usage=usage_of(last)))
+            if req.timeline:  # each prompt's final output carries its own
+                yield sse(CompletionResponse(id=request_id, model=self.model_name, choices=[],
+                                             timeline=[o.timeline for o in last]), {"usage"})
             yield SSE_DONE
         finally:
             await outputs.aclose()
