@@ -10,6 +10,21 @@ TORCH  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 
+# ccache (tests/system_deps.sh installs it with the test packages), when present: `make test` compiles the
+# same Release objects for the wheel (install) and for the C++ tests (test-cpp); the second build takes them
+# from the cache. Its hits need the same compiler command on both sides, so g++/gcc are named (CMake's
+# default c++/cc would be other paths to the same compiler) unless CXX/CC are set.
+ifneq ($(shell command -v ccache 2>/dev/null),)
+export CMAKE_CXX_COMPILER_LAUNCHER ?= ccache
+export CMAKE_C_COMPILER_LAUNCHER ?= ccache
+ifeq ($(origin CXX),default)
+export CXX := g++
+endif
+ifeq ($(origin CC),default)
+export CC := gcc
+endif
+endif
+
 .PHONY: serve test deps test-cpp test-cpp-run test-sanitize test-sanitize-run test-python test-metal-host \
         test-metal-host-run test-models install bench clean
 

@@ -8,7 +8,7 @@
 # with the reason without it: qemu-user (the kernels on emulated AVX2-only and
 # SSE-only CPUs), clang-19 (the Metal kernels' CPU emulator), chromium (the
 # web chat page's test), util-linux and iproute2 (the loopback-only network
-# namespace of the Ray tests).
+# namespace of the Ray tests), ccache (the C++ tests reuse the wheel's objects).
 #
 # `tests/system_deps.sh build` looks at the build's packages only (make serve).
 # Exit status: 0, unless a package needed to build is missing and could not be
@@ -17,7 +17,7 @@ set -uo pipefail
 
 build=(cmake g++ make libssl-dev python3-venv)
 tests=(libgtest-dev)
-optional=(qemu-user clang-19 chromium util-linux iproute2)
+optional=(qemu-user clang-19 chromium util-linux iproute2 ccache)
 if [ "${1:-}" = build ]; then tests=(); optional=(); fi
 declare -A why=(
   [cmake]="the build" [g++]="the build" [make]="the build" [libssl-dev]="the build (SHA-256 from libcrypto)"
@@ -25,6 +25,7 @@ declare -A why=(
   [qemu-user]="the kernels on emulated AVX2-only and SSE-only CPUs (ctest)"
   [clang-19]="the Metal kernels' CPU emulator (ctest)" [chromium]="the web chat page's test (pytest)"
   [util-linux]="the Ray tests' network namespace (unshare)" [iproute2]="the Ray tests' network namespace (ip)"
+  [ccache]="a faster make test (the C++ tests reuse the wheel's objects)"
 )
 
 # Whether a package's files are here: dpkg where there is one, else the file or command it provides.

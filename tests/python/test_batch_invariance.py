@@ -39,6 +39,11 @@ def _run(llm: LLM, prompts: list[list[int]], batched: bool) -> list[tuple[list[i
     return result
 
 
+# Each batched run serves all 32 prompts; every ALONE_EVERY-th of them (11 of every load's sizes and
+# positions) is also served alone, the reference its rows in the batch must equal bit for bit (serving all 32
+# alone, one request at a time, took half of these tests' time)
+ALONE_EVERY = 3
+
 # (engine arguments, what the engine must resolve them to); bfloat16 names the gguf path so that no start-up
 # measurement runs (the rule that gives the blocks every call size is tested below)
 CONFIGS = {
@@ -56,18 +61,20 @@ def test_each_request_gets_the_same_logit_bits_under_any_load(config):
     assert llm.engine.linear_path.startswith(path) and dtype in (None, llm.engine.dtype)
     assert "bfloat16 GEMM" not in llm.engine.linear_path  # q4's large calls stay on the integer kernel
     assert llm.engine.batch_invariance == "on"
-    alone = _run(llm, prompts, batched=False)
-    assert _run(llm, prompts, batched=True) == alone  # all at once: one prefill of 32 prompts, then shared decodes
+    alone = _run(llm, prompts[::ALONE_EVERY], batched=False)
+    # all at once: one prefill of 32 prompts, then shared decodes
+    assert _run(llm, prompts, batched=True)[::ALONE_EVERY] == alone
     del llm
     chunked = LLM(enable_prefix_caching=False, max_num_batched_tokens=16, **kwargs)
-    assert _run(chunked, prompts, batched=True) == alone  # prompts cut at other boundaries, mixed with decodes
+    # prompts cut at other boundaries, mixed with decodes
+    assert _run(chunked, prompts, batched=True)[::ALONE_EVERY] == alone
     del chunked
     threads = torch.get_num_threads()
     if threads > 1:
         torch.set_num_threads(1)
         try:
             one = LLM(enable_prefix_caching=False, **kwargs)
-            assert _run(one, prompts, batched=True) == alone
+            assert _run(one, prompts, batched=True)[::ALONE_EVERY] == alone
             del one
         finally:
             torch.set_num_threads(threads)
