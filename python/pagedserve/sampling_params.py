@@ -211,11 +211,16 @@ class SamplingParams:
     def _check_enforceable(self) -> None:
         """Raises UnenforceableConstraintError for a field the constraint
         could not be honoured together with: min_tokens (the grammar may end
-        sooner), allowed_token_ids and bad words (the grammar may need a token
-        they forbid: no token would be left to draw)."""
+        sooner), stop strings and stop_token_ids (they could cut the output
+        before the grammar completes), allowed_token_ids and bad words (the
+        grammar may need a token they forbid: no token would be left to draw)."""
         from .errors import UnenforceableConstraintError
 
         conflicts = (("min_tokens", self.min_tokens > 0, "the grammar decides where the output ends"),
+                     ("stop", bool(self.stop), "a stop string could end the output before the grammar is complete, "
+                                              "an answer cut short that would still say it stopped"),
+                     ("stop_token_ids", bool(self.stop_token_ids),
+                      "a stop token could end the output before the grammar is complete"),
                      ("allowed_token_ids", self.allowed_token_ids is not None,
                       "the grammar may need a token it leaves out"),
                      ("bad_words", bool(self.bad_words or self.bad_words_token_ids),

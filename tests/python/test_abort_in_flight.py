@@ -32,9 +32,14 @@ def test_a_waiting_request_ends_while_the_forward_pass_runs(tiny_llama_dir):
     try:
         assert entered.wait(30)
         assert engine.scheduler.num_waiting == 1  # r2: not in this step
+        # the gauges say what the forward pass computes while it runs (r0 and r1's first prefill: running)
+        gauge = lambda name: engine.metrics.registry.get_sample_value(  # noqa: E731
+            name, {"model_name": engine.metrics.model_name})
+        assert gauge("vllm:num_requests_running") == 2 and gauge("vllm:num_requests_waiting") == 1
         assert not engine.abort_unscheduled("r0") and not engine.abort_unscheduled("r1")  # the step computes them
         assert engine.abort_unscheduled("r2")  # returns while the forward pass is still blocked
         assert step.is_alive() and engine.scheduler.num_waiting == 0 and "r2" not in engine.requests
+        assert gauge("vllm:num_requests_waiting") == 0
         assert not engine.abort_unscheduled("r2") and not engine.abort_unscheduled("unknown")
     finally:
         release.set()

@@ -265,6 +265,7 @@ class LLMEngine:
                 return []
             batch = self._begin_step(out)
             self._in_flight = frozenset(out.request_ids)
+            self.observe_scheduler()  # the gauges say running for what this step computes, while it does
         try:
             result = self.runner.execute(batch.runner_input)  # 2. forward and sampling
         finally:

@@ -78,8 +78,11 @@ def _messages(req: MessagesRequest | CountTokensRequest) -> list[dict]:
 
 
 def _tools(req: MessagesRequest | CountTokensRequest) -> dict:
-    """tools and tool_choice as chat completions fields."""
+    """tools and tool_choice as chat completions fields. Raises APIError 400
+    for a tool_choice that forces a tool (any, tool) without tools."""
     if not req.tools:
+        if req.tool_choice is not None and req.tool_choice.type in ("any", "tool"):
+            raise APIError(400, f"tool_choice type {req.tool_choice.type} needs `tools`", param="tool_choice")
         return {}
     fields: dict = {"tools": [{"type": "function", "function": {
         "name": t.name, **({"description": t.description} if t.description else {}), "parameters": t.input_schema}}
@@ -117,7 +120,13 @@ class AnthropicServingMessages:
 
     async def create(self, req: MessagesRequest, raw: Request):
         chat_req = self.to_chat(req)
-        answer = await self.chat.respond(chat_req, raw)
+        try:
+            answer = await self.chat.respond(chat_req, raw)
+        except APIError as e:
+            if e.param == "stop":  # the chat field stop_sequences became: named as the client wrote it
+                raise APIError(e.status, e.message.replace("`stop`", "`stop_sequences`"), e.type,
+                               "stop_sequences", e.code) from e
+            raise
         if isinstance(answer, ChatCompletionResponse):
             return self._message(answer)
         return StreamingResponse(self._events(answer), media_type="text/event-stream")

@@ -50,7 +50,7 @@ def constraint_of(req: _Request) -> tuple[StructuredOutputsParams, str] | None:
         value = getattr(req, name)
         if value not in (None, [], "", {}):
             found.append((name, {kind: value}))
-    if req.structured_outputs:
+    if req.structured_outputs is not None:  # {} names no constraint: StructuredOutputsParams refuses it below
         unknown = sorted(set(req.structured_outputs) - set(StructuredOutputsParams.FIELDS))
         if unknown:
             raise APIError(400, f"`structured_outputs.{unknown[0]}` is not supported by this server "
