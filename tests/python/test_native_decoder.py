@@ -101,11 +101,13 @@ def test_smollm2_decodes_on_the_native_step_by_default_with_the_same_tokens(smol
     llm = LLM(skip_tokenizer_init=True, num_kv_blocks=128, enable_prefix_caching=False)  # float32, the gguf path
     lean = llm.engine.runner.lean
     assert lean.native is not None and llm.engine.linear_impl == "gguf"
-    assert "native C++ step for steps of " in llm.engine.model_impl
+    assert "native C++ step" in llm.engine.model_impl and "for steps of every size" in llm.engine.model_impl
     # 300: a step of more than 256 tokens, after which the native step releases its scratch and decodes regrow it
     token_prompts = prompts(llm.engine.model.config.vocab_size, lengths=(3, 11, 30, 300))
     native_logits, python_logits, native_out, python_out = native_and_python(llm, token_prompts)
-    assert torch.equal(native_logits, python_logits)
+    # the file read in place: the Python executor is the Hugging Face modules over the same blocks (torch's norms
+    # and rotary, summed in their order), so the logits agree to float32 rounding, not bit for bit
+    assert (native_logits - python_logits).abs().max() <= 1e-5 * python_logits.abs().max()
     assert [o.outputs[0].token_ids for o in native_out] == [o.outputs[0].token_ids for o in python_out]
 
 

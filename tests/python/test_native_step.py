@@ -87,7 +87,7 @@ def test_no_native_step_without_blocks_or_for_another_family(tmp_path):
     assert decoder.native is None and "is not on GGUF blocks" in decoder.why_not_native
     assert "no native decode step" in decoder.describe_native()
     llama = llm.engine.model.config.__class__.__name__  # a family the table lacks names the ones it has
-    config = type("C", (), {"model_type": "llama"})()
+    config = type("C", (), {"model_type": "gpt2"})()
     assert "gemma3_text" in why_no_native_step(config, torch.device("cpu")), llama
     assert "CPU ops" in why_no_native_step(llm.engine.model.config, torch.device("meta"))
 

@@ -201,8 +201,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
               linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization,
               enable_prefix_caching=False, batch_invariant=args.batch_invariant)
-    # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs)
-    model = AutoModelForCausalLM.from_pretrained(llm.engine.model_path, dtype=torch.float32).eval()
+    # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs; a GGUF converted to a
+    # float32 folder once for it: the engine reads the file in place)
+    from pagedserve.model.loader import resolve_model_path
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(args.model)[0], dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     prompts = [torch.randint(100, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.num_requests)]

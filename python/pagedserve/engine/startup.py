@@ -20,8 +20,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 
 from .. import _core
 from ..config import EngineArgs
@@ -32,8 +34,11 @@ from ..kernels.backend import AttentionSpec
 from ..model.attention import register as register_attention
 from ..model.features import attention_features, dynamic_rope_limit
 from ..model.kv_cache import KVCache
-from ..model.loader import gguf_source, load_config, load_model
-from ..model.prepare import describe_batch_invariance, prepare_model
+from ..model.gguf_format import read_tensor_index
+from ..model.gguf_load import load_gguf_in_place, why_not_in_place
+from ..model.loader import LoadedModel, load_config, load_model
+from ..model.prepare import describe_batch_invariance, prepare_in_place, prepare_model
+from ..model.source import ModelSource, resolve_source
 from ..model.runner import ModelRunner
 from ..model.sampler import Sampler
 from ..model.startup_check import check_prompt, hf_reference_logits, refuse_what_the_check_saw, startup_check
@@ -71,6 +76,22 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+def load_in_place(source: ModelSource, path: str, hf_config, skip_tokenizer_init: bool) -> tuple[LoadedModel, dict]:
+    """The model of a GGUF read in place (gguf_load.load_gguf_in_place) with
+    our attention function, and its tokenizer from the file's metadata folder
+    ``path`` (None with skip_tokenizer_init). Returns (the LoadedModel, what
+    load_gguf_in_place built). Raises ModelLoadError as it does."""
+    from transformers import AutoTokenizer
+
+    try:
+        model, counts = load_gguf_in_place(source.gguf, hf_config, attn_implementation=register_attention())
+    except KeyError as e:  # transformers looks our attention function up by name; some families cannot
+        raise ModelLoadError(f"{source.name}'s architecture does not take a custom attention implementation "
+                             f"(transformers' attention interface), which PagedServe plugs into ({e})") from e
+    tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=source.name, path=Path(path)), counts
+
+
 def build_engine(args: EngineArgs) -> EngineParts:
     """Builds and checks every part of an engine (the module's steps). Raises
     what LLMEngine documents."""
@@ -81,7 +102,17 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if parts.device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' asked for, but torch sees no MPS device")
     parts.dtype, why_dtype = resolve_dtype(args.dtype, args.device)
-    path, name, hf_config = load_config(args.model)
+    source = resolve_source(args.model)
+    architecture = read_tensor_index(source.gguf)["architecture"] if source.gguf else ""
+    why_converted = why_not_in_place(source.gguf, architecture, parts.dtype, parts.device, args.linear_impl,
+                                     args.quantization)
+    if why_converted is None:  # config and tokenizer from the file's metadata; the weights read below
+        path, name = source.config_path(), source.name
+        hf_config = AutoConfig.from_pretrained(path)
+    else:
+        if source.gguf is not None:
+            logger.info("%s: converted to float32 once, not read in place: %s", source.gguf.name, why_converted)
+        path, name, hf_config = load_config(args.model)
     hf = hf_config.get_text_config()
     max_model_len = args.max_model_len or getattr(hf, "max_position_embeddings", None)
     features = attention_features(hf_config, max_model_len or sys.maxsize)
@@ -99,8 +130,12 @@ def build_engine(args: EngineArgs) -> EngineParts:
             f"forward pass; in a packed batch that is another sequence's, so it is served exactly only with "
             f"max_model_len <= {rope[1]} (asked: {parts.max_model_len})")
     variant = backend_cls.active_variant()  # raises for a kernel variant this CPU cannot run
-    loaded = load_model(path, name, hf_config, dtype=parts.dtype, device=parts.device,
-                        attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
+    if why_converted is None:
+        loaded, in_place = load_in_place(source, path, hf_config, args.skip_tokenizer_init)
+    else:
+        in_place = None
+        loaded = load_model(path, name, hf_config, dtype=parts.dtype, device=parts.device,
+                            attn_implementation=register_attention(), skip_tokenizer_init=args.skip_tokenizer_init)
     parts.model, parts.tokenizer, parts.model_path = loaded.model, loaded.tokenizer, loaded.path
     if args.chat_template is not None:
         if parts.tokenizer is None:
@@ -117,10 +152,14 @@ def build_engine(args: EngineArgs) -> EngineParts:
     except Exception as e:
         raise ModelLoadError(f"{name}: the Hugging Face forward itself failed on the start-up check prompt "
                              f"({type(e).__name__}: {e})") from e
-    prepared = prepare_model(parts.model, parts.dtype, parts.device, parts.max_model_len,
-                             linear_impl=args.linear_impl, quantization=args.quantization,
-                             model_impl=args.model_impl, gguf_path=gguf_source(args.model),
-                             native_step=args.native_step, batch_invariant=args.batch_invariant)
+    if in_place is not None:
+        prepared = prepare_in_place(parts.model, parts.max_model_len, in_place, model_impl=args.model_impl,
+                                    native_step=args.native_step)
+    else:
+        prepared = prepare_model(parts.model, parts.dtype, parts.device, parts.max_model_len,
+                                 linear_impl=args.linear_impl, quantization=args.quantization,
+                                 model_impl=args.model_impl, gguf_path=source.gguf,
+                                 native_step=args.native_step, batch_invariant=args.batch_invariant)
     parts.linear_impl, parts.linear_path = prepared.linear_impl, prepared.linear_path
     parts.model_impl, parts.weight_bytes = prepared.model_impl, prepared.weight_bytes
     parts.linear_layers = prepared.linear_layers

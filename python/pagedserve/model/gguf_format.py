@@ -10,6 +10,7 @@ transformers model is transformers' GGUF reader (loader.py).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -81,7 +82,7 @@ def index_cache_path(path: Path) -> Path | None:
     gguf-py's version is unknown (no package metadata)."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from .loader import cache_dir, gguf_fingerprint
+    from .cache import cache_dir, gguf_fingerprint
 
     try:
         gguf_version = version("gguf")
@@ -150,11 +151,14 @@ class GGUFBlocks:
         tensors: GGUF name -> (blocks [N, bytes] uint8 as stored, qtype name
             such as "q4_1", "q8_0", "q6_k", "f32").
         architecture: the file's ``general.architecture`` ("llama", "gemma3", ...).
+        index: GGUF name -> (data offset in bytes, bytes, numpy dtype string,
+            shape of gguf-py's data array, qtype name): read_tensor_index's rows.
     """
 
     path: Path
     tensors: dict = field(default_factory=dict)
     architecture: str = ""
+    index: dict = field(default_factory=dict)
 
     @classmethod
     def read(cls, path: Path) -> "GGUFBlocks":
@@ -169,7 +173,42 @@ class GGUFBlocks:
         data = np.memmap(path, dtype=np.uint8, mode="r")
         tensors = {name: (data[offset:offset + nbytes].view(np.dtype(dtype)).reshape(shape), qtype)
                    for name, offset, nbytes, dtype, shape, qtype in index["tensors"]}
-        return cls(path, tensors, index["architecture"])
+        blocks = cls(path, tensors, index["architecture"])
+        blocks.index = {row[0]: tuple(row[1:]) for row in index["tensors"]}
+        return blocks
+
+    def read_array(self, name: str) -> np.ndarray:
+        """A copy of tensor ``name`` as gguf-py's data array (uint8 [N, bytes]
+        for quantised and BF16 tensors, float32 / float16 [N, K] otherwise),
+        read from the file with pread rather than through the memory map: the
+        pages read this way are not left resident in the process, so a layer
+        repacked from them costs its own bytes only. Raises KeyError for a name
+        the file does not hold, OSError for a short read."""
+        offset, nbytes, dtype, shape, _ = self.index[name]
+        buf = bytearray(nbytes)
+        with open(self.path, "rb", buffering=0) as f:
+            view, done = memoryview(buf), 0
+            while done < nbytes:
+                n = os.preadv(f.fileno(), [view[done:]], offset + done)
+                if n <= 0:
+                    raise OSError(f"{self.path}: short read of {name} ({done} of {nbytes} bytes)")
+                done += n
+        return np.frombuffer(buf, dtype=np.dtype(dtype)).reshape(shape)
+
+    def rows(self, name: str) -> tuple[torch.Tensor, str]:
+        """(bytes of tensor ``name`` row by row: uint8 [N, bytes per row], its
+        qtype name) read by read_array (what QuantizedWeight takes)."""
+        data = self.read_array(name)
+        return torch.from_numpy(data.view(np.uint8).reshape(data.shape[0], -1)), self.index[name][4]
+
+    def dequantized(self, name: str) -> np.ndarray:
+        """Tensor ``name`` de-quantised by gguf-py to float32, in the shape
+        gguf-py gives (GGUF's dimensions reversed: [out, in] for a matrix)."""
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        data = self.read_array(name)
+        return np.asarray(dequantize(data, GGMLQuantizationType[self.index[name][4].upper()]), dtype=np.float32)
 
     def gguf_name(self, name: str) -> str | None:
         """The GGUF tensor name of a decoder linear layer's qualified transformers
@@ -195,7 +234,7 @@ class GGUFBlocks:
         entry = self.tensors.get(gname) if gname else None
         if entry is None or entry[1] not in wanted:
             return None
-        raw = raw_bytes(entry[0])
+        raw = self.rows(gname)[0] if gname in self.index else raw_bytes(entry[0])
         if raw.shape[0] != out_features:
             return None
         if self.architecture not in ("", "llama"):

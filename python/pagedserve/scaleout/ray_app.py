@@ -190,9 +190,9 @@ class Ingress:
         if not args.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
-            from ..model.loader import resolve_model_path
+            from ..model.source import resolve_source
 
-            self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model)[0])
+            self.tokenizer = AutoTokenizer.from_pretrained(resolve_source(args.model).config_path())
             self.renderer = ChatRenderer.for_server(self.tokenizer, args)[0]
 
     def block_hashes(self, path: str, body: bytes) -> list[bytes]:

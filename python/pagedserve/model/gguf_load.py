@@ -1,0 +1,239 @@
+"""A GGUF file read in place: the transformers model of its config built with
+empty parameters, its linear layers and embedding put straight on the file's
+own blocks (GGUFFloatLinear, GGUFEmbedding: each tensor read once and held in
+the kernel's layout), and only the small tensors (norms, biases) de-quantised.
+No float32 copy of the weights exists, on disk or in memory: a model starts
+in about the time it takes to read its file, in about its file's memory.
+
+The names: transformers' own GGUF name map (``get_gguf_hf_weights_map``,
+built on gguf-py's tensor names) and its per-architecture tensor processors
+for the small tensors (Gemma's norms are stored as 1 + w); the linear layers'
+rows of a ``llama`` file are moved out of llama.cpp's rotary order on the
+blocks themselves (gguf_format.unpermute_rows). Where a layer's type is one the
+kernels do not read, that layer alone is de-quantised into a float32
+nn.Linear (named in the start-up log).
+
+Which files take this path: IN_PLACE_ARCHITECTURES (the families whose
+decoder the native step describes); ``why_not_in_place`` says why another
+setup converts the file once instead (loader.convert_gguf).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ModelLoadError
+from ..hardware import release_free_memory
+from ..kernels import cpu_core
+from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks, unpermute_rows
+from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
+
+logger = logging.getLogger(__name__)
+
+TRIM_BYTES = 64 << 20  # weights built between two trims of the C heap (_Trim)
+# GGUF architectures read in place (general.architecture); their transformers model types are native_step.FAMILIES'
+IN_PLACE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+
+
+def why_not_in_place(gguf: Path | None, architecture: str, dtype: torch.dtype, device: torch.device,
+                     linear_impl: str, quantization: str) -> str | None:
+    """Why this start cannot read ``gguf`` in place (the file is then converted
+    to a float32 folder once, as before), or None if it can.
+
+    Args:
+        gguf: the GGUF file, or None (a folder or hub id: nothing to read in place).
+        architecture: the file's general.architecture.
+        dtype, device, linear_impl, quantization: the engine's resolved arguments.
+    """
+    if gguf is None:
+        return "not a GGUF file"
+    if torch.device(device).type != "cpu":
+        return f"its blocks are read by CPU kernels (device {device})"
+    if dtype != torch.float32:
+        return f"its blocks are expanded to float32 (--dtype {str(dtype).removeprefix('torch.')} takes float weights)"
+    if quantization != "none":
+        return f"--quantization {quantization} re-quantises from float weights"
+    if linear_impl not in ("auto", "gguf"):
+        return f"--linear-impl {linear_impl} computes on float weights"
+    if architecture not in IN_PLACE_ARCHITECTURES:
+        return (f"the {architecture or 'unnamed'} architecture is not one PagedServe reads in place "
+                f"({', '.join(IN_PLACE_ARCHITECTURES)})")
+    return None
+
+
+def _gguf_names(model: torch.nn.Module, architecture: str, config) -> tuple[dict, object]:
+    """({transformers parameter name: GGUF tensor name}, the architecture's
+    transformers tensor processor) for ``model``: gguf-py's tensor name map of
+    the architecture (built once; transformers' get_gguf_hf_weights_map builds
+    one per submodule, 7 s for SmolLM2) applied to each parameter's name, as
+    that function applies it."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config.to_dict())
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ModelLoadError(f"gguf-py does not know the architecture '{architecture}'")
+    name_map = get_tensor_name_map(arch, config.get_text_config().num_hidden_layers)
+    names = {}
+    for hf_name, _ in model.named_parameters(remove_duplicate=False):
+        base, suffix = hf_name, ""
+        if hf_name.endswith((".weight", ".bias")):
+            base, suffix = hf_name.rsplit(".", 1)
+            suffix = "." + suffix
+        gguf_name = name_map.get_name(processor.preprocess_name(base))
+        if gguf_name is not None:
+            names[hf_name] = gguf_name + suffix
+    return names, processor
+
+
+def _linear_rows(blocks: GGUFBlocks, gname: str, architecture: str, num_heads: int,
+                 num_kv_heads: int) -> tuple[torch.Tensor, str]:
+    """(rows of a linear layer's tensor in Hugging Face's row order, qtype)."""
+    raw, qtype = blocks.rows(gname)
+    if architecture == "llama" and gname.endswith("attn_q.weight"):
+        raw = unpermute_rows(raw, num_heads)
+    elif architecture == "llama" and gname.endswith("attn_k.weight"):
+        raw = unpermute_rows(raw, num_kv_heads)
+    return raw, qtype
+
+
+def _small_tensor(blocks: GGUFBlocks, gname: str, processor, config_dict: dict, shape) -> torch.Tensor:
+    """A small tensor (a norm's weight, a bias) de-quantised to float32 and
+    processed as transformers' GGUF reader processes it, in ``shape``."""
+    values = blocks.dequantized(gname)
+    values = processor.process(weights=values, name=gname, tensor_key_mapping={},
+                               parsed_parameters={"config": config_dict, "tensors": {}}).weights
+    t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
+    if t.numel() != int(np.prod(shape)):
+        raise ModelLoadError(f"{blocks.path.name}: {gname} holds {tuple(t.shape)}, the model wants {tuple(shape)}")
+    return t.reshape(shape).clone()
+
+
+class _Trim:
+    """Hands the C heap's free pages back to the OS (release_free_memory) every
+    TRIM_BYTES of weights built: each tensor's read buffer and the kernel's
+    repacking scratch are freed into glibc's heap, which keeps them (measured:
+    a peak 240 MiB above what the 0.5B model holds after loading without it)."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+
+    def add(self, nbytes: int) -> None:
+        self.pending += nbytes
+        if self.pending >= TRIM_BYTES:
+            release_free_memory()
+            self.pending = 0
+
+
+def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module, dict]:
+    """Builds the transformers causal LM of ``config`` (read from ``gguf``'s
+    metadata: source.metadata_dir) on ``gguf``'s own tensors, in float32 on
+    the CPU, in eval mode.
+
+    Returns:
+        (model, counts): counts {"blocks": linear layers on the file's blocks,
+        "dense": linear layers de-quantised (a type the kernels do not read),
+        "embedding": "blocks" or "dense"}.
+    Raises:
+        ModelLoadError naming the tensors when the file lacks a tensor the
+        model needs or holds one of another shape.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    blocks = GGUFBlocks.read(gguf)
+    arch = blocks.architecture
+    kwargs = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    with init_empty_weights(include_buffers=False):  # parameters on the meta device, buffers (rotary) real
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    text = config.get_text_config()
+    num_heads = text.num_attention_heads
+    num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+    names, processor = _gguf_names(model, arch, config)
+    config_dict = config.to_dict()
+    counts = {"blocks": 0, "dense": 0, "embedding": "dense"}
+    trim = _Trim()
+    missing: list[str] = []
+
+    def tensor_for(hf_name: str) -> str | None:
+        gname = names.get(hf_name)
+        if gname is None or gname not in blocks.index:
+            missing.append(hf_name)
+            return None
+        return gname
+
+    embed = model.get_input_embeddings()
+    tied = bool(getattr(text, "tie_word_embeddings", False)) or "output.weight" not in blocks.index
+    embed_name = next(n for n, m in model.named_modules() if m is embed)
+    for qual, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is not torch.nn.Linear:
+                continue
+            name = f"{qual}.{child_name}" if qual else child_name
+            gname = ("token_embd.weight" if tied else "output.weight") if name == "lm_head" else tensor_for(
+                f"{name}.weight")
+            if gname is None:
+                continue
+            bias = None
+            if child.bias is not None:
+                bname = tensor_for(f"{name}.bias")
+                bias = None if bname is None else _small_tensor(blocks, bname, processor, config_dict,
+                                                                (child.out_features,))
+            if blocks.index[gname][4] in F32_KERNEL_QTYPES:
+                raw, qtype = _linear_rows(blocks, gname, arch, num_heads, num_kv_heads)
+                if tuple(raw.shape[:1]) != (child.out_features,):
+                    raise ModelLoadError(f"{gguf.name}: {gname} has {raw.shape[0]} rows, {name} wants "
+                                         f"{child.out_features}")
+                weight = cpu_core.QuantizedWeight(raw, qtype, child.out_features, child.in_features)
+                del raw
+                trim.add(weight.nbytes)
+                setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
+                counts["blocks"] += 1
+            else:  # a type the kernels do not read: this layer alone in float32
+                dense = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None)
+                dense.weight = torch.nn.Parameter(
+                    _small_tensor(blocks, gname, processor, config_dict, (child.out_features, child.in_features)),
+                    requires_grad=False)
+                if bias is not None:
+                    dense.bias = torch.nn.Parameter(bias, requires_grad=False)
+                setattr(module, child_name, dense)
+                counts["dense"] += 1
+    lm_head = model.get_output_embeddings()
+    entry = blocks.index.get("token_embd.weight")
+    if entry is not None and entry[4] in F32_KERNEL_QTYPES:
+        scale = getattr(embed, "embed_scale", None)
+        if tied and isinstance(lm_head, GGUFFloatLinear):
+            weight = lm_head.weight_blocks  # one copy of the blocks for both
+        else:
+            raw, qtype = blocks.rows("token_embd.weight")
+            weight = cpu_core.QuantizedWeight(raw, qtype, embed.num_embeddings, embed.embedding_dim)
+        model.set_input_embeddings(GGUFEmbedding(weight, scale, torch.float32))
+        counts["embedding"] = "blocks"
+    elif tensor_for(f"{embed_name}.weight") is not None:
+        embed.weight = torch.nn.Parameter(_small_tensor(blocks, "token_embd.weight", processor, config_dict,
+                                                        tuple(embed.weight.shape)), requires_grad=False)
+    # what is still on the meta device: the norms (and any other small tensor)
+    for qual, module in list(model.named_modules()):
+        for pname, param in list(module._parameters.items()):
+            if param is None or param.device.type != "meta":
+                continue
+            name = f"{qual}.{pname}" if qual else pname
+            gname = tensor_for(name)
+            if gname is not None:
+                module._parameters[pname] = torch.nn.Parameter(
+                    _small_tensor(blocks, gname, processor, config_dict, tuple(param.shape)), requires_grad=False)
+    if missing:
+        raise ModelLoadError(f"{gguf.name} holds no tensor for {sorted(set(missing))[:8]}"
+                             f"{' ...' if len(set(missing)) > 8 else ''} ({len(set(missing))} in all)")
+    release_free_memory()
+    return model.eval(), counts
+
+
+__all__ = ["IN_PLACE_ARCHITECTURES", "load_gguf_in_place", "why_not_in_place"]

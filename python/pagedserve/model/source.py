@@ -1,0 +1,115 @@
+"""What ``--model`` names, resolved once: a ``ModelSource``.
+
+``--model`` takes a packaged model's short name (pagedserve.model.packaged;
+none: the default), a ``.gguf`` file, a local Hugging Face folder or a hub id.
+``resolve_source`` turns it into one of three kinds of source, and everything
+after start-up asks the source (never ``--model`` again):
+
+  gguf    a GGUF file, read in place (model/gguf_load.py): the config and
+          the tokenizer come from its metadata (transformers builds both
+          without weights), kept as a few small files under the cache
+          (``metadata_dir``: its reading of the metadata takes seconds),
+          and its tensors go straight into the layers that read them.
+  folder  a Hugging Face folder (config.json, safetensors, tokenizer).
+  hub     a hub id, left to transformers.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from .cache import cache_dir, gguf_fingerprint
+from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
+
+logger = logging.getLogger(__name__)
+
+# raised when what metadata_dir writes changes, so an older folder is made again
+METADATA_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's config, tokenizer and weights come from.
+
+    Attributes:
+        kind: "gguf", "folder" or "hub".
+        path: the GGUF file, the folder (both absolute), or the hub id.
+        name: the name the server reports (``/v1/models``).
+    """
+
+    kind: str
+    path: str
+    name: str
+
+    @property
+    def gguf(self) -> Path | None:
+        """The GGUF file, or None for a folder or hub id."""
+        return Path(self.path) if self.kind == "gguf" else None
+
+    def config_path(self) -> str:
+        """What ``AutoConfig`` / ``AutoTokenizer.from_pretrained`` take for this
+        source: the metadata folder of a GGUF (metadata_dir), else the folder
+        or hub id itself."""
+        return str(metadata_dir(self.gguf)) if self.kind == "gguf" else self.path
+
+
+def resolve_source(model: str | None) -> ModelSource:
+    """Maps ``--model`` to its source.
+
+    None -> the default packaged model; a packaged model's short name (unless
+    a folder of that name exists) -> its GGUF file; a path ending in ``.gguf``
+    that is a file -> that file; a folder -> itself; anything else -> a hub id.
+    Raises FileNotFoundError naming the ``pip install`` line when a packaged
+    model's package is missing, and when a ``.gguf`` path does not exist.
+    """
+    if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
+        packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
+        return ModelSource("gguf", str(packaged.locate()), packaged.served_name)
+    if model.endswith(".gguf"):
+        if not Path(model).is_file():
+            raise FileNotFoundError(f"no GGUF file at {model}")
+        return ModelSource("gguf", str(Path(model).resolve()), Path(model).stem)
+    if Path(model).is_dir():
+        return ModelSource("folder", str(Path(model).resolve()), model.rstrip("/"))
+    return ModelSource("hub", model, model)
+
+
+def metadata_dir(gguf: Path) -> Path:
+    """A folder holding the config (config.json, generation_config.json) and
+    the tokenizer (tokenizer.json, its config, the chat template) that
+    transformers builds from ``gguf``'s metadata, without its weights. Made
+    once under ``$PAGEDSERVE_CACHE/gguf-meta/`` (named by the file's stem and
+    content fingerprint; a few MB), atomically: where another process made the
+    same folder first, theirs is kept. Raises what transformers raises for a
+    file it cannot read (ValueError for an architecture it does not know)."""
+    out = cache_dir() / "gguf-meta" / f"{gguf.stem}-{gguf_fingerprint(gguf)}-v{METADATA_FORMAT}"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    logger.info("reading %s's metadata (config and tokenizer) into %s (once)", gguf.name, out)
+    folder, name = str(gguf.parent), gguf.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    if hasattr(config, "quantization_config"):  # the weights are read in place, not by transformers' GGUF reader
+        delattr(config, "quantization_config")
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    config.save_pretrained(tmp)
+    GenerationConfig.from_model_config(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
+    return out
+
+
+__all__ = ["METADATA_FORMAT", "ModelSource", "metadata_dir", "resolve_source"]
