@@ -251,10 +251,33 @@ def test_cpu_kv_store_is_zeroed_and_on_huge_pages_where_the_os_offers_them():
     if not _core.cpu.huge_pages_available():
         pytest.skip("the OS takes no huge-page advice here (not Linux, or transparent huge pages 'never')")
     assert _core.cpu.advise_huge_pages(store.data_ptr(), store.numel() * 4) >= 10 << 21
+    store.fill_(1.0)  # the store's pages come at their first write (zero_store)
     gained = anon_huge_kb() - before
     if gained <= 0:
         pytest.skip("the kernel gave no huge pages (none free); the advice was taken")
     assert gained >= 8 << 10  # at least 8 MiB of the 24 MiB store
+
+
+def test_cpu_kv_store_is_resident_only_once_written():
+    """The store is fresh anonymous memory (cpu.zero_store): allocating 256 MiB of it touches none of its
+    pages (a start does not pay for a KV store it has not used), reading it gives zeros, writing it makes it
+    resident."""
+    import pathlib
+
+    status = pathlib.Path("/proc/self/status")
+    if not status.exists():
+        pytest.skip("no /proc/self/status to read the resident set size from")
+
+    def rss() -> int:
+        return next(int(line.split()[1]) for line in status.read_text().splitlines()
+                    if line.startswith("VmRSS:")) * 1024
+
+    before = rss()
+    store = cpu_backend.zero_store((64, 1 << 20), torch.float32)  # 256 MiB
+    assert rss() - before < 16 << 20
+    assert store[::7, ::4099].abs().sum() == 0 and store.is_contiguous() and store.data_ptr() % (2 << 20) == 0
+    store.fill_(2.0)
+    assert rss() - before > 200 << 20 and float(store[63, -1]) == 2.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

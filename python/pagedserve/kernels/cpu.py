@@ -112,11 +112,12 @@ class CpuAttentionBackend(AttentionBackend):
         """The zeroed store, advised for transparent huge pages before it is
         first written (``cpu_core.advise_huge_pages``): every decode step
         reads blocks spread over the whole store, and with 4 KiB pages their
-        TLB misses cost (most in a virtual machine). Where the OS takes no such
-        advice it is an ordinary zeroed tensor."""
-        store = torch.empty((num_layers, *self.kv_cache_shape()), dtype=self.spec.dtype)
-        cpu_core.advise_huge_pages(store.data_ptr(), store.numel() * store.element_size())
-        return store.zero_()
+        TLB misses cost (most in a virtual machine). Its memory is an
+        anonymous mapping (zero_store), zero by the OS's guarantee and
+        resident only once written: a start does not touch a 1 GiB store's
+        pages (about 1 s here), and the process holds the KV it uses."""
+        shape = (num_layers, *self.kv_cache_shape())
+        return zero_store(shape, self.spec.dtype)
 
     def reshape_and_cache(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -135,6 +136,29 @@ class CpuAttentionBackend(AttentionBackend):
         out = torch.empty(query.shape, dtype=query.dtype)
         plan.for_window(window).run(out, query, k_cache, v_cache, scale, cap)
         return out
+
+
+def zero_store(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed tensor of ``shape`` and ``dtype`` on fresh anonymous memory
+    (Python's ``mmap``: pages the OS maps as zero and backs on first write),
+    aligned to 2 MiB and advised for transparent huge pages. Where anonymous
+    mappings are not available, ``torch.zeros``. The mapping lives as long
+    as the tensor (numpy's buffer keeps it)."""
+    import mmap
+
+    import numpy as np
+
+    align = 2 << 20
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    try:
+        region = mmap.mmap(-1, nbytes + align, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except (OSError, ValueError, AttributeError):
+        return torch.zeros(shape, dtype=dtype)
+    raw = np.frombuffer(region, dtype=np.uint8)
+    offset = (-raw.ctypes.data) % align
+    flat = torch.from_numpy(raw[offset:offset + nbytes])
+    cpu_core.advise_huge_pages(flat.data_ptr(), nbytes)
+    return flat.view(dtype).view(shape)
 
 
 def scratch_bytes(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> int:

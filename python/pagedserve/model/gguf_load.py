@@ -21,6 +21,8 @@ setup converts the file once instead (loader.convert_gguf).
 from __future__ import annotations
 
 import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +36,7 @@ from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
 
 logger = logging.getLogger(__name__)
 
+LOAD_THREADS = 8  # at most this many tensors read and repacked at once (one per core below that)
 TRIM_BYTES = 64 << 20  # weights built between two trims of the C heap (_Trim)
 # GGUF architectures read in place (general.architecture); their transformers model types are native_step.FAMILIES'
 IN_PLACE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
@@ -130,6 +133,15 @@ class _Trim:
             self.pending = 0
 
 
+def _read_weight(blocks: GGUFBlocks, gname: str, arch: str, num_heads: int, num_kv_heads: int, name: str,
+                 out_features: int, in_features: int):
+    """The QuantizedWeight of one linear layer's tensor (read, rows in Hugging Face's order, repacked)."""
+    raw, qtype = _linear_rows(blocks, gname, arch, num_heads, num_kv_heads)
+    if raw.shape[0] != out_features:
+        raise ModelLoadError(f"{blocks.path.name}: {gname} has {raw.shape[0]} rows, {name} wants {out_features}")
+    return cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
+
+
 def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module, dict]:
     """Builds the transformers causal LM of ``config`` (read from ``gguf``'s
     metadata: source.metadata_dir) on ``gguf``'s own tensors, in float32 on
@@ -172,6 +184,9 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
     embed = model.get_input_embeddings()
     tied = bool(getattr(text, "tie_word_embeddings", False)) or "output.weight" not in blocks.index
     embed_name = next(n for n, m in model.named_modules() if m is embed)
+    # each tensor read (pread) and repacked (QuantizedWeight's constructor) on a worker: both release the GIL
+    pool = ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, LOAD_THREADS)))
+    pending = []
     for qual, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not torch.nn.Linear:
@@ -187,15 +202,9 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                 bias = None if bname is None else _small_tensor(blocks, bname, processor, config_dict,
                                                                 (child.out_features,))
             if blocks.index[gname][4] in F32_KERNEL_QTYPES:
-                raw, qtype = _linear_rows(blocks, gname, arch, num_heads, num_kv_heads)
-                if tuple(raw.shape[:1]) != (child.out_features,):
-                    raise ModelLoadError(f"{gguf.name}: {gname} has {raw.shape[0]} rows, {name} wants "
-                                         f"{child.out_features}")
-                weight = cpu_core.QuantizedWeight(raw, qtype, child.out_features, child.in_features)
-                del raw
-                trim.add(weight.nbytes)
-                setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
-                counts["blocks"] += 1
+                pending.append((module, child_name, bias, pool.submit(
+                    _read_weight, blocks, gname, arch, num_heads, num_kv_heads, name, child.out_features,
+                    child.in_features)))
             else:  # a type the kernels do not read: this layer alone in float32
                 dense = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None)
                 dense.weight = torch.nn.Parameter(
@@ -205,6 +214,12 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                     dense.bias = torch.nn.Parameter(bias, requires_grad=False)
                 setattr(module, child_name, dense)
                 counts["dense"] += 1
+    for module, child_name, bias, future in pending:  # in order, as each is read and repacked
+        weight = future.result()
+        trim.add(weight.nbytes)
+        setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
+        counts["blocks"] += 1
+    pool.shutdown()
     lm_head = model.get_output_embeddings()
     entry = blocks.index.get("token_embd.weight")
     if entry is not None and entry[4] in F32_KERNEL_QTYPES:

@@ -16,6 +16,8 @@ after start-up asks the source (never ``--model`` again):
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
 import os
 import shutil
@@ -78,6 +80,34 @@ def resolve_source(model: str | None) -> ModelSource:
     return ModelSource("hub", model, model)
 
 
+@contextlib.contextmanager
+def _metadata_read_once():
+    """Within the block, transformers' GGUF metadata reader
+    (``load_gguf_checkpoint(path, return_tensors=False)``, which parses every
+    field: ~5 s for Qwen2.5's 151k-entry vocabulary) reads each file once:
+    AutoConfig and AutoTokenizer each call it for the config (transformers
+    5.x, for the architectures its faster reader does not cover yet). The
+    same function's result, kept for the block only; calls with tensors pass
+    through."""
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    original, results = gguf_utils.load_gguf_checkpoint, {}
+
+    def once(path, return_tensors=False, **kwargs):
+        if return_tensors or kwargs:
+            return original(path, return_tensors=return_tensors, **kwargs)
+        key = str(path)
+        if key not in results:
+            results[key] = original(path, return_tensors=False)
+        return copy.deepcopy(results[key])
+
+    gguf_utils.load_gguf_checkpoint = once
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
+
+
 def metadata_dir(gguf: Path) -> Path:
     """A folder holding the config (config.json, generation_config.json) and
     the tokenizer (tokenizer.json, its config, the chat template) that
@@ -93,10 +123,11 @@ def metadata_dir(gguf: Path) -> Path:
 
     logger.info("reading %s's metadata (config and tokenizer) into %s (once)", gguf.name, out)
     folder, name = str(gguf.parent), gguf.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name)
+    with _metadata_read_once():
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     if hasattr(config, "quantization_config"):  # the weights are read in place, not by transformers' GGUF reader
         delattr(config, "quantization_config")
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     config.save_pretrained(tmp)
