@@ -122,3 +122,16 @@ def test_packaged_qwen_coder_decodes_what_transformers_generate_does(model):
             want.append(out[0, len(p):].tolist())
     assert [g[:len(w)] for g, w in zip(got, want)] == want
     assert np.mean([len(set(g)) > 3 for g in got]) == 1.0  # real text, not a repeated token
+
+
+@pytest.mark.parametrize("cut", [100, 4000])
+def test_a_truncated_file_is_refused_by_name(cut, tmp_path, monkeypatch):
+    from pagedserve.errors import ModelLoadError
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    path, _ = gguf_files.write("qwen2", tmp_path / "whole.gguf")
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[:-cut])
+    LLM(model=str(path), num_kv_blocks=8, max_model_len=64)  # the whole file serves (and its index is cached)
+    with pytest.raises(ModelLoadError, match="truncated"):
+        LLM(model=str(short), num_kv_blocks=8, max_model_len=64)

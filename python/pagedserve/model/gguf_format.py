@@ -100,6 +100,16 @@ def _header_sha256(path: Path, num_bytes: int) -> str:
         return hashlib.sha256(f.read(num_bytes)).hexdigest()
 
 
+def _check_size(path: Path, index: dict) -> None:
+    """Raises ModelLoadError when the file ends before its last tensor does (a truncated download or copy)."""
+    from ..errors import ModelLoadError
+
+    end = max((offset + nbytes for _, offset, nbytes, *_ in index["tensors"]), default=0)
+    size = path.stat().st_size
+    if size < end:
+        raise ModelLoadError(f"{path} is truncated: {size} bytes, its tensors end at byte {end}")
+
+
 def read_tensor_index(path: Path) -> dict:
     """The tensor index of the GGUF file ``path`` as gguf-py's GGUFReader reads
     it: {"format": INDEX_FORMAT, "architecture": general.architecture or "",
@@ -119,18 +129,26 @@ def read_tensor_index(path: Path) -> dict:
             index = json.loads(cached.read_text())
             if (isinstance(index, dict) and index.get("format") == INDEX_FORMAT
                     and index["header_sha256"] == _header_sha256(path, index["header_bytes"])):
+                _check_size(path, index)
                 return index
         except (OSError, ValueError, KeyError, TypeError):
             pass
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    from ..errors import ModelLoadError
+
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, KeyError, IndexError, OSError) as e:  # gguf-py's errors on a short or foreign file
+        raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt? "
+                             f"{path.stat().st_size} bytes): {type(e).__name__}: {e}") from e
     arch = reader.fields.get("general.architecture")
     index = {"format": INDEX_FORMAT,
              "architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
              "header_bytes": int(reader.data_offset), "header_sha256": _header_sha256(path, int(reader.data_offset)),
              "tensors": [[t.name, int(t.data_offset), int(t.data.nbytes), t.data.dtype.str, list(t.data.shape),
                           t.tensor_type.name.lower()] for t in reader.tensors]}
+    _check_size(path, index)
     if cached is not None:
         tmp = cached.with_name(f"{cached.name}.tmp{os.getpid()}")
         try:
