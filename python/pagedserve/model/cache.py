@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
 
 
@@ -28,4 +29,19 @@ def gguf_fingerprint(path: Path, edge_bytes: int = 4 << 20) -> str:
     return h.hexdigest()[:12]
 
 
-__all__ = ["cache_dir", "gguf_fingerprint"]
+def publish_folder(tmp: Path, out: Path) -> Path:
+    """Moves the finished folder ``tmp`` to ``out`` atomically (os.replace);
+    where another process (a second server, a parallel test worker) published
+    ``out`` first, drops ``tmp`` and keeps theirs. Returns ``out``. Raises
+    OSError when the move fails and no ``out/config.json`` exists."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "config.json").exists():
+            raise
+    return out
+
+
+__all__ = ["cache_dir", "gguf_fingerprint", "publish_folder"]

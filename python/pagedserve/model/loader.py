@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import ModelLoadError
-from .cache import cache_dir, gguf_fingerprint
+from .cache import cache_dir, gguf_fingerprint, publish_folder
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
 from .source import resolve_source
 
@@ -85,14 +84,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> Path:
     tmp = out_dir.with_name(out_dir.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out_dir)
-    except OSError:
-        # another process (a second server, a parallel test worker) converted the same file first
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out_dir / "config.json").exists():
-            raise
+    publish_folder(tmp, out_dir)
     steps.update()
     steps.close()
     return out_dir

@@ -24,7 +24,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import cache_dir, gguf_fingerprint
+from .cache import cache_dir, gguf_fingerprint, publish_folder
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
 logger = logging.getLogger(__name__)
@@ -133,14 +133,7 @@ def metadata_dir(gguf: Path) -> Path:
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        os.replace(tmp, out)
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not (out / "config.json").exists():
-            raise
-    return out
+    return publish_folder(tmp, out)
 
 
 __all__ = ["METADATA_FORMAT", "ModelSource", "metadata_dir", "resolve_source"]
