@@ -54,9 +54,10 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write(family: str, path: Path, seed: int = 0, types=TYPES) -> tuple[Path, list[str]]:
+def write(family: str, path: Path, seed: int = 0, types=TYPES, drop: tuple[str, ...] = ()) -> tuple[Path, list[str]]:
     """Writes a tiny GGUF of ``family`` ("llama", "qwen2", "qwen3", "gemma3")
-    at ``path``. Returns (path, the block types its linear tensors use)."""
+    at ``path``, without the GGUF tensors named in ``drop``. Returns (path,
+    the block types its linear tensors use)."""
     cfg_name, model_name, extra, _ = FAMILIES[family]
     config = getattr(transformers, cfg_name)(**{**SHAPE, **EXTRA[family]})
     torch.manual_seed(seed)
@@ -94,6 +95,8 @@ def write(family: str, path: Path, seed: int = 0, types=TYPES) -> tuple[Path, li
             continue  # tied: the embedding
         base, suffix = hf_name.rsplit(".", 1)
         gname = name_map.get_name(base) + "." + suffix
+        if gname in drop:
+            continue
         data = p.detach().float().numpy()
         if family == "gemma3" and gname.endswith("norm.weight"):
             data = data + 1  # Gemma's GGUF norms are stored as 1 + w

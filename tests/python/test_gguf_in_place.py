@@ -135,3 +135,52 @@ def test_a_truncated_file_is_refused_by_name(cut, tmp_path, monkeypatch):
     LLM(model=str(path), num_kv_blocks=8, max_model_len=64)  # the whole file serves (and its index is cached)
     with pytest.raises(ModelLoadError, match="truncated"):
         LLM(model=str(short), num_kv_blocks=8, max_model_len=64)
+
+
+def _set_field(path, key: str, value: int) -> None:
+    """Edits an integer metadata field in place, as gguf-py's gguf_set_metadata does."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path), "r+").fields[key]
+    field.parts[field.data[0]][0] = value
+
+
+def test_metadata_edited_in_place_or_a_damaged_metadata_folder_is_read_again(tmp_path, monkeypatch):
+    """The metadata folder is keyed by the SHA-256 of the file's whole header: an EOS id changed in place
+    (past the edges the content fingerprint reads, in a real file) makes a new folder; a folder missing a file
+    its manifest lists is made again rather than served (an empty tokenizer)."""
+    from pagedserve.model.source import metadata_dir
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    path, _ = gguf_files.write("qwen2", tmp_path / "m.gguf")
+    first = metadata_dir(path)
+    eos = LLM(model=str(path), num_kv_blocks=8, max_model_len=64).engine.eos_token_ids
+    assert 2 in eos and 13 not in eos
+    _set_field(path, "tokenizer.ggml.eos_token_id", 13)
+    second = metadata_dir(path)
+    assert second != first
+    assert 13 in LLM(model=str(path), num_kv_blocks=8, max_model_len=64).engine.eos_token_ids
+    (second / "tokenizer.json").unlink()
+    assert metadata_dir(path) == second and (second / "tokenizer.json").exists()
+    tokenizer = LLM(model=str(path), num_kv_blocks=8, max_model_len=64).engine.tokenizer
+    assert len(tokenizer) >= 256 and tokenizer("abc")["input_ids"]
+
+
+def test_broken_files_are_refused_by_name(tmp_path, monkeypatch):
+    from gguf import GGUFReader
+
+    from pagedserve.errors import ModelLoadError
+
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
+    no_embedding, _ = gguf_files.write("qwen2", tmp_path / "no-embd.gguf", drop=("token_embd.weight",))
+    with pytest.raises(ModelLoadError, match="holds no tensor for .*lm_head"):
+        LLM(model=str(no_embedding), num_kv_blocks=8, max_model_len=64)
+    nan, _ = gguf_files.write("qwen2", tmp_path / "nan.gguf")
+    norm = next(t for t in GGUFReader(str(nan), "r+").tensors if t.name == "blk.0.attn_norm.weight")
+    norm.data[:] = np.nan
+    norm.data.flush() if hasattr(norm.data, "flush") else None
+    with pytest.raises(ModelLoadError, match="non-finite"):
+        LLM(model=str(nan), num_kv_blocks=8, max_model_len=64)
+    upper = tmp_path / "UPPER.GGUF"
+    upper.write_bytes(gguf_files.write("qwen2", tmp_path / "u.gguf")[0].read_bytes())
+    assert "read in place" in LLM(model=str(upper), num_kv_blocks=8, max_model_len=64).engine.linear_path

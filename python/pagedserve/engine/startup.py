@@ -83,11 +83,14 @@ def load_in_place(source: ModelSource, path: str, hf_config, skip_tokenizer_init
     load_gguf_in_place built). Raises ModelLoadError as it does."""
     from transformers import AutoTokenizer
 
+    attention = register_attention()
     try:
-        model, counts = load_gguf_in_place(source.gguf, hf_config, attn_implementation=register_attention())
+        model, counts = load_gguf_in_place(source.gguf, hf_config, attn_implementation=attention)
     except KeyError as e:  # transformers looks our attention function up by name; some families cannot
+        if str(e).strip("'\"") != attention:
+            raise
         raise ModelLoadError(f"{source.name}'s architecture does not take a custom attention implementation "
-                             f"(transformers' attention interface), which PagedServe plugs into ({e})") from e
+                             f"(transformers' attention interface), which PagedServe plugs into") from e
     tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
     return LoadedModel(model=model, tokenizer=tokenizer, name=source.name, path=Path(path)), counts
 
@@ -111,8 +114,14 @@ def build_engine(args: EngineArgs) -> EngineParts:
         hf_config = AutoConfig.from_pretrained(path)
     else:
         if source.gguf is not None:
-            logger.info("%s: converted to float32 once, not read in place: %s", source.gguf.name, why_converted)
-        path, name, hf_config = load_config(args.model)
+            logger.info("%s: converted to a float32 folder once, not read in place: %s", source.gguf.name,
+                        why_converted)
+        try:
+            path, name, hf_config = load_config(args.model)
+        except (KeyError, ValueError, AssertionError) as e:
+            if source.gguf is None or isinstance(e, ModelLoadError):
+                raise
+            raise ModelLoadError(f"transformers cannot convert {source.gguf.name} ({type(e).__name__}: {e})") from e
     hf = hf_config.get_text_config()
     max_model_len = args.max_model_len or getattr(hf, "max_position_embeddings", None)
     features = attention_features(hf_config, max_model_len or sys.maxsize)
@@ -152,6 +161,9 @@ def build_engine(args: EngineArgs) -> EngineParts:
     except Exception as e:
         raise ModelLoadError(f"{name}: the Hugging Face forward itself failed on the start-up check prompt "
                              f"({type(e).__name__}: {e})") from e
+    if not torch.isfinite(reference).all():  # the weights themselves (a corrupt file), not our path
+        raise ModelLoadError(f"{name}: the model's own forward gives non-finite logits on the start-up check "
+                             "prompt: its weights hold NaN or infinite values (a corrupt file?)")
     if in_place is not None:
         prepared = prepare_in_place(parts.model, parts.max_model_len, in_place, model_impl=args.model_impl,
                                     native_step=args.native_step)

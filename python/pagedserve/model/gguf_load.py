@@ -57,9 +57,11 @@ def why_not_in_place(gguf: Path | None, architecture: str, dtype: torch.dtype, d
     if torch.device(device).type != "cpu":
         return f"its blocks are read by CPU kernels (device {device})"
     if dtype != torch.float32:
-        return f"its blocks are expanded to float32 (--dtype {str(dtype).removeprefix('torch.')} takes float weights)"
+        return (f"--dtype {str(dtype).removeprefix('torch.')}: the model's other tensors come from a converted "
+                "float copy (its linear layers still read the file's blocks where they are exact)")
     if quantization != "none":
-        return f"--quantization {quantization} re-quantises from float weights"
+        return (f"--quantization {quantization} builds its layers beside a converted float copy (the file's own "
+                "blocks where its kernels read them, the rest quantised from that copy)")
     if linear_impl not in ("auto", "gguf"):
         return f"--linear-impl {linear_impl} computes on float weights"
     if architecture not in IN_PLACE_ARCHITECTURES:
@@ -139,7 +141,11 @@ def _read_weight(blocks: GGUFBlocks, gname: str, arch: str, num_heads: int, num_
     raw, qtype = _linear_rows(blocks, gname, arch, num_heads, num_kv_heads)
     if raw.shape[0] != out_features:
         raise ModelLoadError(f"{blocks.path.name}: {gname} has {raw.shape[0]} rows, {name} wants {out_features}")
-    return cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
+    weight = cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
+    if raw.numel() >= TRIM_BYTES // 4:  # a large tensor's read buffer and repacking scratch go back at once
+        del raw
+        release_free_memory()
+    return weight
 
 
 def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module, dict]:
@@ -185,8 +191,7 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
     tied = bool(getattr(text, "tie_word_embeddings", False)) or "output.weight" not in blocks.index
     embed_name = next(n for n, m in model.named_modules() if m is embed)
     # each tensor read (pread) and repacked (QuantizedWeight's constructor) on a worker: both release the GIL
-    pool = ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, LOAD_THREADS)))
-    pending = []
+    jobs = []
     for qual, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not torch.nn.Linear:
@@ -194,6 +199,9 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
             name = f"{qual}.{child_name}" if qual else child_name
             gname = ("token_embd.weight" if tied else "output.weight") if name == "lm_head" else tensor_for(
                 f"{name}.weight")
+            if gname is not None and gname not in blocks.index:  # a tied output layer without its embedding
+                missing.append(f"{name}.weight ({gname})")
+                gname = None
             if gname is None:
                 continue
             bias = None
@@ -202,9 +210,8 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                 bias = None if bname is None else _small_tensor(blocks, bname, processor, config_dict,
                                                                 (child.out_features,))
             if blocks.index[gname][4] in F32_KERNEL_QTYPES:
-                pending.append((module, child_name, bias, pool.submit(
-                    _read_weight, blocks, gname, arch, num_heads, num_kv_heads, name, child.out_features,
-                    child.in_features)))
+                jobs.append((module, child_name, bias, (blocks, gname, arch, num_heads, num_kv_heads, name,
+                                                        child.out_features, child.in_features)))
             else:  # a type the kernels do not read: this layer alone in float32
                 dense = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None)
                 dense.weight = torch.nn.Parameter(
@@ -214,12 +221,21 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                     dense.bias = torch.nn.Parameter(bias, requires_grad=False)
                 setattr(module, child_name, dense)
                 counts["dense"] += 1
-    for module, child_name, bias, future in pending:  # in order, as each is read and repacked
-        weight = future.result()
+    # the large tensors (an embedding-sized output layer) one at a time, so no two large read buffers and
+    # repacking scratches coexist; the rest on the workers
+    def install(job, weight) -> None:
+        module, child_name, bias, _ = job
         trim.add(weight.nbytes)
         setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
         counts["blocks"] += 1
-    pool.shutdown()
+
+    large = [j for j in jobs if blocks.index[j[3][1]][1] >= TRIM_BYTES]
+    for job in large:
+        install(job, _read_weight(*job[3]))
+    with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, LOAD_THREADS))) as pool:
+        futures = [(j, pool.submit(_read_weight, *j[3])) for j in jobs if j not in large]
+        for job, future in futures:  # in order, as each is read and repacked
+            install(job, future.result())
     lm_head = model.get_output_embeddings()
     entry = blocks.index.get("token_embd.weight")
     if entry is not None and entry[4] in F32_KERNEL_QTYPES:

@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import logging
 import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .cache import cache_dir, gguf_fingerprint, publish_folder
+from .cache import cache_dir, publish_folder
 from .packaged import DEFAULT_MODEL, PACKAGED_MODELS
 
 logger = logging.getLogger(__name__)
 
 # raised when what metadata_dir writes changes, so an older folder is made again
-METADATA_FORMAT = 1
+METADATA_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,29 @@ class ModelSource:
         return str(metadata_dir(self.gguf)) if self.kind == "gguf" else self.path
 
 
+def _is_gguf(path: Path) -> bool:
+    """Whether the file starts with GGUF's magic bytes."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def resolve_source(model: str | None) -> ModelSource:
     """Maps ``--model`` to its source.
 
     None -> the default packaged model; a packaged model's short name (unless
     a folder of that name exists) -> its GGUF file; a path ending in ``.gguf``
-    that is a file -> that file; a folder -> itself; anything else -> a hub id.
+    (any case), or a file that starts with GGUF's magic, -> that file; a
+    folder -> itself; anything else -> a hub id.
     Raises FileNotFoundError naming the ``pip install`` line when a packaged
     model's package is missing, and when a ``.gguf`` path does not exist.
     """
     if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
         packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
         return ModelSource("gguf", str(packaged.locate()), packaged.served_name)
-    if model.endswith(".gguf"):
+    if model.lower().endswith(".gguf") or (Path(model).is_file() and _is_gguf(Path(model))):
         if not Path(model).is_file():
             raise FileNotFoundError(f"no GGUF file at {model}")
         return ModelSource("gguf", str(Path(model).resolve()), Path(model).stem)
@@ -112,20 +123,31 @@ def metadata_dir(gguf: Path) -> Path:
     """A folder holding the config (config.json, generation_config.json) and
     the tokenizer (tokenizer.json, its config, the chat template) that
     transformers builds from ``gguf``'s metadata, without its weights. Made
-    once under ``$PAGEDSERVE_CACHE/gguf-meta/`` (named by the file's stem and
-    content fingerprint; a few MB), atomically: where another process made the
-    same folder first, theirs is kept. Raises what transformers raises for a
-    file it cannot read (ValueError for an architecture it does not know)."""
-    out = cache_dir() / "gguf-meta" / f"{gguf.stem}-{gguf_fingerprint(gguf)}-v{METADATA_FORMAT}"
-    if (out / "config.json").exists():
+    once under ``$PAGEDSERVE_CACHE/gguf-meta/``, a few MB, named by the file's
+    stem and the SHA-256 of its whole header (gguf_format.read_tensor_index:
+    metadata edited in place, such as a new EOS id, makes a new folder), and
+    published atomically (cache.publish_folder). A folder missing a file its
+    manifest lists (MANIFEST) is made again. Raises ModelLoadError when
+    transformers cannot build the config or the tokenizer from the metadata."""
+    from .gguf_format import read_tensor_index
+
+    header = read_tensor_index(gguf)["header_sha256"][:16]
+    out = cache_dir() / "gguf-meta" / f"{gguf.stem}-{header}-v{METADATA_FORMAT}"
+    if _complete(out):
         return out
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    from ..errors import ModelLoadError
+
     logger.info("reading %s's metadata (config and tokenizer) into %s (once)", gguf.name, out)
     folder, name = str(gguf.parent), gguf.name
-    with _metadata_read_once():
-        config = AutoConfig.from_pretrained(folder, gguf_file=name)
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    try:
+        with _metadata_read_once():
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except (KeyError, ValueError, TypeError, OSError, AssertionError) as e:
+        raise ModelLoadError(f"transformers cannot build the config and tokenizer from {gguf.name}'s metadata "
+                             f"({type(e).__name__}: {e})") from e
     if hasattr(config, "quantization_config"):  # the weights are read in place, not by transformers' GGUF reader
         delattr(config, "quantization_config")
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
@@ -133,7 +155,23 @@ def metadata_dir(gguf: Path) -> Path:
     config.save_pretrained(tmp)
     GenerationConfig.from_model_config(config).save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    files = sorted(p.name for p in tmp.iterdir())
+    (tmp / MANIFEST).write_text(json.dumps({p: (tmp / p).stat().st_size for p in files}))
+    if out.exists() and not _complete(out):  # a damaged folder: replaced
+        shutil.rmtree(out, ignore_errors=True)
     return publish_folder(tmp, out)
+
+
+MANIFEST = "pagedserve-manifest.json"  # {file name: bytes} of what metadata_dir wrote, written last
+
+
+def _complete(folder: Path) -> bool:
+    """Whether ``folder`` holds every file its manifest lists, at its size."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())
+        return all((folder / name).stat().st_size == size for name, size in listed.items())
+    except (OSError, ValueError, TypeError, AttributeError):
+        return False
 
 
 __all__ = ["METADATA_FORMAT", "ModelSource", "metadata_dir", "resolve_source"]
