@@ -110,7 +110,26 @@ def _check_size(path: Path, index: dict) -> None:
         raise ModelLoadError(f"{path} is truncated: {size} bytes, its tensors end at byte {end}")
 
 
+# read_tensor_index's results in this process, by (path, size, inode, modification time, cache folder): a start
+# asks for the index three times (the architecture, the metadata folder's key, the blocks), each a fingerprint and
+# a header hash of several MB
+_INDEX_MEMO: dict[tuple, dict] = {}
+
+
 def read_tensor_index(path: Path) -> dict:
+    """_read_tensor_index(path), remembered in this process while the file's
+    size, inode and modification time and the cache folder stay the same
+    (the returned dict is shared: do not change it)."""
+    from .cache import cache_dir
+
+    st = Path(path).stat()
+    key = (str(Path(path).resolve()), st.st_size, st.st_ino, st.st_mtime_ns, str(cache_dir()))
+    if key not in _INDEX_MEMO:
+        _INDEX_MEMO[key] = _read_tensor_index(Path(path))
+    return _INDEX_MEMO[key]
+
+
+def _read_tensor_index(path: Path) -> dict:
     """The tensor index of the GGUF file ``path`` as gguf-py's GGUFReader reads
     it: {"format": INDEX_FORMAT, "architecture": general.architecture or "",
     "header_bytes": where the tensor data starts, "header_sha256": of those
@@ -255,10 +274,18 @@ class GGUFBlocks:
         raw = self.rows(gname)[0] if gname in self.index else raw_bytes(entry[0])
         if raw.shape[0] != out_features:
             return None
+        return self.hf_row_order(gname, raw, num_heads, num_kv_heads), entry[1]
+
+    def hf_row_order(self, gname: str, raw: torch.Tensor, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+        """The rows ``raw`` ([N, bytes] uint8) of the tensor ``gname`` in
+        Hugging Face's order: in a ``llama`` file (or one that names no
+        architecture) the q and k projections' rows moved from llama.cpp's
+        rotary order (unpermute_rows; its converter permutes that
+        architecture's only); any other tensor as it is."""
         if self.architecture not in ("", "llama"):
-            return raw, entry[1]
+            return raw
         if gname.endswith("attn_q.weight"):
-            raw = unpermute_rows(raw, num_heads)
-        elif gname.endswith("attn_k.weight"):
-            raw = unpermute_rows(raw, num_kv_heads)
-        return raw, entry[1]
+            return unpermute_rows(raw, num_heads)
+        if gname.endswith("attn_k.weight"):
+            return unpermute_rows(raw, num_kv_heads)
+        return raw

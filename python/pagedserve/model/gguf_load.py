@@ -5,11 +5,12 @@ the kernel's layout), and only the small tensors (norms, biases) de-quantised.
 No float32 copy of the weights exists, on disk or in memory: a model starts
 in about the time it takes to read its file, in about its file's memory.
 
-The names: transformers' own GGUF name map (``get_gguf_hf_weights_map``,
-built on gguf-py's tensor names) and its per-architecture tensor processors
-for the small tensors (Gemma's norms are stored as 1 + w); the linear layers'
-rows of a ``llama`` file are moved out of llama.cpp's rotary order on the
-blocks themselves (gguf_format.unpermute_rows). Where a layer's type is one the
+The names: gguf-py's tensor name map of the architecture, applied to each
+parameter as transformers' ``get_gguf_hf_weights_map`` applies it, and
+transformers' per-architecture tensor processors for the small tensors
+(Gemma's norms are stored as 1 + w); the linear layers' rows of a ``llama``
+file are moved out of llama.cpp's rotary order on the blocks themselves
+(GGUFBlocks.hf_row_order). Where a layer's type is one the
 kernels do not read, that layer alone is de-quantised into a float32
 nn.Linear (named in the start-up log).
 
@@ -31,7 +32,7 @@ import torch
 from ..errors import ModelLoadError
 from ..hardware import release_free_memory
 from ..kernels import cpu_core
-from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks, unpermute_rows
+from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
 
 logger = logging.getLogger(__name__)
@@ -96,17 +97,6 @@ def _gguf_names(model: torch.nn.Module, architecture: str, config) -> tuple[dict
     return names, processor
 
 
-def _linear_rows(blocks: GGUFBlocks, gname: str, architecture: str, num_heads: int,
-                 num_kv_heads: int) -> tuple[torch.Tensor, str]:
-    """(rows of a linear layer's tensor in Hugging Face's row order, qtype)."""
-    raw, qtype = blocks.rows(gname)
-    if architecture == "llama" and gname.endswith("attn_q.weight"):
-        raw = unpermute_rows(raw, num_heads)
-    elif architecture == "llama" and gname.endswith("attn_k.weight"):
-        raw = unpermute_rows(raw, num_kv_heads)
-    return raw, qtype
-
-
 def _small_tensor(blocks: GGUFBlocks, gname: str, processor, config_dict: dict, shape) -> torch.Tensor:
     """A small tensor (a norm's weight, a bias) de-quantised to float32 and
     processed as transformers' GGUF reader processes it, in ``shape``."""
@@ -135,17 +125,14 @@ class _Trim:
             self.pending = 0
 
 
-def _read_weight(blocks: GGUFBlocks, gname: str, arch: str, num_heads: int, num_kv_heads: int, name: str,
+def _read_weight(blocks: GGUFBlocks, gname: str, num_heads: int, num_kv_heads: int, name: str,
                  out_features: int, in_features: int):
     """The QuantizedWeight of one linear layer's tensor (read, rows in Hugging Face's order, repacked)."""
-    raw, qtype = _linear_rows(blocks, gname, arch, num_heads, num_kv_heads)
+    raw, qtype = blocks.rows(gname)
     if raw.shape[0] != out_features:
         raise ModelLoadError(f"{blocks.path.name}: {gname} has {raw.shape[0]} rows, {name} wants {out_features}")
-    weight = cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
-    if raw.numel() >= TRIM_BYTES // 4:  # a large tensor's read buffer and repacking scratch go back at once
-        del raw
-        release_free_memory()
-    return weight
+    raw = blocks.hf_row_order(gname, raw, num_heads, num_kv_heads)
+    return cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
 
 
 def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module, dict]:
@@ -210,7 +197,7 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                 bias = None if bname is None else _small_tensor(blocks, bname, processor, config_dict,
                                                                 (child.out_features,))
             if blocks.index[gname][4] in F32_KERNEL_QTYPES:
-                jobs.append((module, child_name, bias, (blocks, gname, arch, num_heads, num_kv_heads, name,
+                jobs.append((module, child_name, bias, (blocks, gname, num_heads, num_kv_heads, name,
                                                         child.out_features, child.in_features)))
             else:  # a type the kernels do not read: this layer alone in float32
                 dense = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None)
@@ -229,11 +216,11 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
         setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
         counts["blocks"] += 1
 
-    large = [j for j in jobs if blocks.index[j[3][1]][1] >= TRIM_BYTES]
-    for job in large:
+    large = [blocks.index[args[1]][1] >= TRIM_BYTES for *_, args in jobs]
+    for job in (j for j, is_large in zip(jobs, large) if is_large):
         install(job, _read_weight(*job[3]))
     with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, LOAD_THREADS))) as pool:
-        futures = [(j, pool.submit(_read_weight, *j[3])) for j in jobs if j not in large]
+        futures = [(j, pool.submit(_read_weight, *j[3])) for j, is_large in zip(jobs, large) if not is_large]
         for job, future in futures:  # in order, as each is read and repacked
             install(job, future.result())
     lm_head = model.get_output_embeddings()
