@@ -25,7 +25,7 @@ export CC := gcc
 endif
 endif
 
-.PHONY: serve test deps test-cpp test-cpp-run test-sanitize test-sanitize-run test-python test-metal-host \
+.PHONY: serve test deps test-cpp test-cpp-run test-sanitize test-sanitize-run test-arm64 test-arm64-run test-python test-metal-host \
         test-metal-host-run test-models install bench clean
 
 $(PY):
@@ -86,6 +86,24 @@ test-sanitize-run:
 	cmake --build build/sanitize -j2
 	cd build/sanitize && ASAN_OPTIONS=$(SANITIZE_ASAN_OPTIONS) UBSAN_OPTIONS=$(SANITIZE_UBSAN_OPTIONS) ctest --output-on-failure -j2
 
+# The same C++ tests built for arm64 (AArch64: Apple silicon's, Graviton's CPUs) with Debian's cross
+# toolchain (cmake/aarch64-linux-gnu.cmake; GoogleTest from its source in /usr/src/googletest) and run under
+# qemu-aarch64: the neon kernel variant, the CPU feature detection, every test. Skipped with the reason where
+# the toolchain, the arm64 libcrypto or qemu-aarch64 is missing (tests/system_deps.sh installs them as root).
+ARM64_TOOLS_CHECK = command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1 \
+  && [ -f /usr/lib/aarch64-linux-gnu/libcrypto.a ] && [ -f /usr/src/googletest/CMakeLists.txt ]
+test-arm64:
+	@if ! { $(ARM64_TOOLS_CHECK); }; then \
+	  echo "== test-arm64 skipped: it needs aarch64-linux-gnu-g++, qemu-aarch64, libcrypto for arm64 and GoogleTest's source (Debian: dpkg --add-architecture arm64; apt-get update; apt-get install g++-aarch64-linux-gnu qemu-user libssl-dev:arm64 libgtest-dev)"; \
+	  exit 0; fi; $(MAKE) --no-print-directory test-arm64-run
+
+test-arm64-run:
+	cmake -S . -B build/arm64 -DCMAKE_TOOLCHAIN_FILE=cmake/aarch64-linux-gnu.cmake -DPAGEDSERVE_BUILD_PYTHON=OFF \
+	  -DPAGEDSERVE_BUILD_TESTS=ON -DPAGEDSERVE_GTEST_SOURCE=/usr/src/googletest -DCMAKE_BUILD_TYPE=Release
+	cmake --build build/arm64 -j2
+	cd build/arm64 && ctest --output-on-failure -j2
+	@grep -F '[ isa ]' build/arm64/Testing/Temporary/LastTest.log | sort -u | sed 's/^/  /'
+
 # The system packages (tests/system_deps.sh): installed when missing if we are root with apt-get,
 # otherwise each missing one is named with what it is for; the parts that need it skip and say why
 # (the web chat test without chromium, the emulated-CPU runs without qemu-user, ...). Fails only when
@@ -136,6 +154,7 @@ test:
 	$(call phase,install)
 	$(call phase,test-cpp)
 	$(call phase,test-sanitize)
+	$(call phase,test-arm64)
 	$(call phase,test-python)
 	$(call phase,test-metal-host)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FFN, VOCAB, HEAD_DIM = 32, 4096, 32, 8, 14336, 128256, 128
 # byte offsets of the fp16 scales in each K-quant block (d, dmin; Q6_K: d)
-K_SCALES = {"Q4_K": (0, 2), "Q6_K": (208,)}
+K_SCALES = {"Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def k_blocks(qtype: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:

@@ -5,8 +5,14 @@
 # same package registry as everything else: no binary is downloaded and no
 # llama.cpp code enters this repository.
 #
-#   bench/build_llama_server.sh [BUILD_DIR]     (default build/llama.cpp)
+#   bench/build_llama_server.sh [--isa avx2] [BUILD_DIR]
+#       (default BUILD_DIR: build/llama.cpp, with --isa avx2 build/llama.cpp-avx2)
 #   LLAMA_CPP_PYTHON_VERSION=0.3.36 bench/build_llama_server.sh
+#
+# --isa avx2: built for an AVX2-only CPU (GGML_NATIVE=OFF, GGML_AVX2/FMA/F16C
+# on, every AVX-512 and AVX-VNNI option off), so that on an AVX-512 host it can
+# be set beside PagedServe's AVX2 variant (PAGEDSERVE_CPU_ISA=avx2): the pair an
+# AVX2-only laptop runs. The binary then uses no instruction past x86-64-v3.
 #
 # Built for this CPU (GGML_NATIVE=ON, as llama.cpp's own default) but without
 # AMX: CPUID and XCR0 report AMX tiles on some of this project's machines, yet
@@ -16,7 +22,20 @@
 # Prints the path of llama-server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-BUILD_DIR=${1:-build/llama.cpp}
+ISA=native
+if [ "${1:-}" = "--isa" ]; then
+  ISA=${2:?--isa takes native or avx2}
+  shift 2
+fi
+case "$ISA" in
+  native) ISA_FLAGS=(-DGGML_NATIVE=ON); DEFAULT_DIR=build/llama.cpp ;;
+  avx2) ISA_FLAGS=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON
+                   -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF
+                   -DGGML_AVX512_BF16=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF)
+        DEFAULT_DIR=build/llama.cpp-avx2 ;;
+  *) echo "--isa: native or avx2, not '$ISA'" >&2; exit 2 ;;
+esac
+BUILD_DIR=${1:-$DEFAULT_DIR}
 VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] && PYTHON=.venv/bin/python
@@ -27,7 +46,7 @@ if [ ! -f "$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp/CMakeLists.txt" ]; th
   tar -xzf "$SRC/llama_cpp_python-$VERSION.tar.gz" -C "$SRC"
 fi
 cmake -S "$SRC/llama_cpp_python-$VERSION/vendor/llama.cpp" -B "$BUILD_DIR" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
+  "${ISA_FLAGS[@]}" -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" \
   -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" >/dev/null
 cmake --build "$BUILD_DIR" --target llama-server llama-bench -j"$(nproc)"

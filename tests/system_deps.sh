@@ -8,7 +8,10 @@
 # with the reason without it: qemu-user (the kernels on emulated AVX2-only and
 # SSE-only CPUs), clang-19 (the Metal kernels' CPU emulator), chromium (the
 # web chat page's test), util-linux and iproute2 (the loopback-only network
-# namespace of the Ray tests), ccache (the C++ tests reuse the wheel's objects).
+# namespace of the Ray tests), ccache (the C++ tests reuse the wheel's objects),
+# g++-aarch64-linux-gnu and libssl-dev:arm64 (the C++ tests built for arm64 and
+# run under qemu-aarch64: test-arm64; the second needs Debian's arm64
+# architecture added, which this script does as root).
 #
 # `tests/system_deps.sh build` looks at the build's packages only (make serve).
 # Exit status: 0, unless a package needed to build is missing and could not be
@@ -17,7 +20,7 @@ set -uo pipefail
 
 build=(cmake g++ make libssl-dev python3-venv)
 tests=(libgtest-dev)
-optional=(qemu-user clang-19 chromium util-linux iproute2 ccache)
+optional=(qemu-user clang-19 chromium util-linux iproute2 ccache g++-aarch64-linux-gnu libssl-dev:arm64)
 if [ "${1:-}" = build ]; then tests=(); optional=(); fi
 declare -A why=(
   [cmake]="the build" [g++]="the build" [make]="the build" [libssl-dev]="the build (SHA-256 from libcrypto)"
@@ -26,6 +29,8 @@ declare -A why=(
   [clang-19]="the Metal kernels' CPU emulator (ctest)" [chromium]="the web chat page's test (pytest)"
   [util-linux]="the Ray tests' network namespace (unshare)" [iproute2]="the Ray tests' network namespace (ip)"
   [ccache]="a faster make test (the C++ tests reuse the wheel's objects)"
+  [g++-aarch64-linux-gnu]="the C++ tests built for arm64 (test-arm64)"
+  [libssl-dev:arm64]="the C++ tests built for arm64 (test-arm64; first: dpkg --add-architecture arm64)"
 )
 
 # Whether a package's files are here: dpkg where there is one, else the file or command it provides.
@@ -38,6 +43,7 @@ have() {
     libssl-dev) [ -f /usr/include/openssl/sha.h ] || [ -f /usr/local/include/openssl/sha.h ] ;;
     python3-venv) python3 -c 'import ensurepip, venv' >/dev/null 2>&1 ;;
     qemu-user) command -v qemu-x86_64 >/dev/null 2>&1 ;;
+    libssl-dev:arm64) [ -f /usr/lib/aarch64-linux-gnu/libcrypto.a ] ;;
     clang-19) command -v clang++-19 >/dev/null 2>&1 ;;
     util-linux) command -v unshare >/dev/null 2>&1 ;;
     iproute2) command -v ip >/dev/null 2>&1 ;;
@@ -51,6 +57,9 @@ need=($(missing "${build[@]}" "${tests[@]+"${tests[@]}"}" "${optional[@]+"${opti
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing ${need[*]} (apt-get)"
   export DEBIAN_FRONTEND=noninteractive
+  case " ${need[*]} " in
+    *" libssl-dev:arm64 "*) dpkg --add-architecture arm64 2>/dev/null || true ;;
+  esac
   # the package lists first: a fresh machine has none, an old one may name versions gone from the mirror
   apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null \
     || echo "apt-get could not install every package (offline?); see below"

@@ -106,6 +106,9 @@ TEST(MetalLibrarySearch, OrderAndOverrides) {
 
 TEST(MetalLibrarySearch, ModuleDirectoriesNameThisBinary) {
   const std::vector<std::string> dirs = module_directories();
+#if defined(PAGEDSERVE_STATIC_EXECUTABLES)
+  if (dirs.empty()) GTEST_SKIP() << "a statically linked test binary (the arm64 cross build) has no module for dladdr";
+#endif
   ASSERT_FALSE(dirs.empty());
   EXPECT_FALSE(dirs[0].empty());
 }

@@ -166,3 +166,23 @@ def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
         w.dequantize(torch.empty(n, k + 32))
     assert issubclass(KernelArgumentError, ValueError)
     assert cpu.kernel_isa() in {v[0] for v in cpu.compiled_isas()}
+
+
+@pytest.mark.parametrize("kind", ["fma", "int8_dot"])
+def test_peak_probe_of_every_runnable_variant_counts_its_operations(kind):
+    """bench/roofline.py's compute roof: peak_ops returns 2 x lanes x chains x iters, proportional to iters."""
+    from pagedserve.errors import InvalidArgumentError
+
+    before = cpu.kernel_isa()
+    try:
+        for name in cpu.variants_for("gemm"):
+            cpu.set_kernel_isa(name)
+            small, large = cpu.peak_ops(kind, 1000), cpu.peak_ops(kind, 3000)
+            assert small > 0 and large == pytest.approx(3 * small), name
+            assert small % 2000 == 0, (name, small)  # 2 ops per multiply-add lane, per iteration
+    finally:
+        cpu.set_kernel_isa(before)
+    with pytest.raises(InvalidArgumentError, match="kind must be"):
+        cpu.peak_ops("flops", 10)
+    with pytest.raises(InvalidArgumentError, match="iters"):
+        cpu.peak_ops("fma", 0)

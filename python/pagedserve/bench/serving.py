@@ -447,6 +447,14 @@ def format_report(runs: list[dict], rows: list[dict], args) -> str:
                      f"| {_f(r['output_tok_s'])} | {_f(r['request_s'], '.2f')} | "
                      + " | ".join(_f(r[f"{m}_p{q}_ms"]) for m in ("ttft", "itl", "tpot", "e2e") for q in (50, 99))
                      + " |")
+    floor = getattr(args, "floor", None)
+    if floor:
+        lines += ["", f"bandwidth floor of one user's decode: {floor['bytes'] / 1e6:.1f} MB of {floor['file']} read "
+                      f"per token / {floor['bandwidth'] / 1e9:.1f} GB/s read bandwidth = {floor['ms']:.2f} ms"]
+        for r in runs:
+            if r.get("concurrency") == 1 and isinstance(r["tpot_p50_ms"], float) and math.isfinite(r["tpot_p50_ms"]):
+                lines.append(f"  {r['label']} c=1: TPOT p50 {r['tpot_p50_ms']:.2f} ms = "
+                             f"{r['tpot_p50_ms'] / floor['ms']:.2f}x the floor")
     if rows:
         lines += ["", "| load | compared | output tok/s ratio | TPOT p50 ratio |", "|---|---|---:|---:|"]
         for x in rows:
@@ -597,6 +605,9 @@ def parse_args(argv: list[str] | None, prog: str | None = None) -> tuple[argpars
                       help="with --request-rate: at most M requests in flight")
     load.add_argument("--warmup", type=_non_negative_int, default=2, metavar="K",
                       help="K requests per server before measuring, not counted (default 2)")
+    target.add_argument("--weights", metavar="FILE.gguf", default=None,
+                        help="the served GGUF file: print one user's memory-bandwidth floor (the bytes a decode step "
+                             "reads of it / this machine's read bandwidth, measured before the runs) beside TPOT")
     out = ap.add_argument_group("outputs")
     out.add_argument("--json", metavar="PATH", help="write the configuration, every run and every request to PATH")
     out.add_argument("--plot", metavar="PATH",
@@ -682,6 +693,18 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     check, 2 on bad flags or an unreachable server."""
     args, servers, loads = parse_args(argv, prog)
     name = prog or os.path.basename(sys.argv[0])
+    args.floor = None
+    if args.weights:
+        from pagedserve.bench import bandwidth
+
+        try:
+            nbytes = bandwidth.decode_bytes_per_token(args.weights)
+        except (OSError, ValueError) as e:
+            print(f"{name}: error: --weights {args.weights}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        bw = bandwidth.read_bandwidth()
+        args.floor = {"file": os.path.basename(args.weights), "bytes": nbytes, "bandwidth": bw,
+                      "ms": nbytes / bw * 1e3}
     try:
         result = asyncio.run(run_benchmark(args, servers, loads, log=lambda m: print(m, flush=True)))
     except ServerUnreachable as e:

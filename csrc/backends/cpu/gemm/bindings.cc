@@ -16,6 +16,8 @@
 #include "binding_registry.h"
 #include "backends/cpu/gemm/greedy_logits.h"
 #include "backends/cpu/gemm/quant_linear.h"
+#include "backends/cpu/runtime/isa_registry.h"
+#include "core/errors.h"
 
 namespace py = pybind11;
 
@@ -123,6 +125,29 @@ void bind_quant(py::module_& m) {
           "every type.")
       .def_property_readonly("in_features", &QuantizedWeight::in_features)
       .def_property_readonly("out_features", &QuantizedWeight::out_features);
+
+  m.def(
+      "peak_ops",
+      [](const std::string& kind, int64_t iters) {
+        int k;
+        if (kind == "fma") {
+          k = kPeakFma;
+        } else if (kind == "int8_dot") {
+          k = kPeakInt8Dot;
+        } else {
+          throw InvalidArgumentError("peak_ops: kind must be 'fma' or 'int8_dot', got '" + kind + "'");
+        }
+        if (iters < 1) throw InvalidArgumentError("peak_ops: iters must be >= 1");
+        const auto fn = active_isa().gemm().peak_ops;
+        py::gil_scoped_release release;
+        return fn(k, iters);
+      },
+      py::arg("kind"), py::arg("iters"),
+      "The roofline's compute probe on the calling thread, with the active variant's GEMM table "
+      "(gemm/kernel_table.h, peak_ops): `iters` rounds of independent register-resident float32 fused "
+      "multiply-adds ('fma') or u8 x s8 multiply-accumulates as the integer kernels issue them ('int8_dot'); "
+      "returns the operations done (2 per multiply-add lane), so that divided by the seconds taken it is this "
+      "core's peak in op/s. Call it from several threads at once for the machine's. Raises InvalidArgumentError.");
 }
 
 const BackendBinding registration("cpu", &bind_quant);

@@ -153,7 +153,20 @@ struct QuantKernelTable {
   // when [m0, m1) spans more than one). A row's result does not depend on m0, m1,
   // g0, g1 or the thread.
   void (*gemm_f32)(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
+  // The roofline's compute peaks (bench/roofline.py), on the calling thread:
+  // `iters` rounds of independent register-resident chains of the variant's
+  // widest float32 fused multiply-add (kind kPeakFma; the scalar variant a
+  // multiply then an add) or of its u8 x s8 multiply-accumulate as the integer
+  // kernels issue it (kind kPeakInt8Dot: vpdpbusd, or vpmaddubsw + vpmaddwd +
+  // vpaddd on AVX2; int32 += int8 * int8 in the scalar one), enough chains to
+  // cover the instruction's latency. Returns the operations done (2 per
+  // multiply-add lane, as GFLOP/s and GOP/s count them).
+  double (*peak_ops)(int kind, int64_t iters);
 };
+
+// peak_ops' kinds.
+constexpr int kPeakFma = 0;
+constexpr int kPeakInt8Dot = 1;
 
 // One getter per compiled table (defined in kernels_*.cc under PAGEDSERVE_GEMM_ISA).
 const QuantKernelTable& quant_kernel_table_scalar();

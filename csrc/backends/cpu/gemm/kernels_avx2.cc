@@ -238,10 +238,16 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
     if constexpr (Q == TileFormat::kF16) return _mm256_cvtph_ps(v);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));  // bfloat16: exact
   } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
-    const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
+    // The 32-bit lane of row j holds elements 4p .. 4p+3 (low nibbles) and 16 + 4p .. (high) in its bytes: one
+    // mask (and a shift for the high ones) gives four elements' bytes, the same expression for the four e that
+    // share it (the unrolled callers compute it once), and a byte shuffle zero-extends the one wanted, in place
+    // of a shift and a mask per element (docs/benchmarks.md, "Behind the code").
+    const int p = (e & 15) >> 2, byte = e & 3;
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nibbles_at<Q>() + 64 * p + 32 * h));
-    const __m256i q = shift == 28 ? _mm256_srli_epi32(raw, 28)
-                                  : _mm256_and_si256(_mm256_srli_epi32(raw, shift), _mm256_set1_epi32(0x0F));
+    const __m256i nib = _mm256_and_si256(e < 16 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+    const int32_t lo = static_cast<int32_t>(0x80808000u | static_cast<uint32_t>(byte));
+    const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(lo), _mm256_set_epi32(12, 8, 4, 0, 12, 8, 4, 0));
+    const __m256i q = _mm256_shuffle_epi8(nib, ctl);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m);  // exact d * q: one rounding either way
   } else if constexpr (five_bit<Q>()) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
@@ -510,7 +516,42 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   }
 }
 
-const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32};
+// kernel_table.h's peak_ops: 12 chains (FMA: Zen / Intel latency 4-5 x 2
+// pipes needs at least 10), 8 lanes each; the int8 chains as pass() issues them.
+double peak_ops(int kind, int64_t iters) {
+  constexpr int kChains = 12;
+  volatile int sink = 0;
+  if (kind == kPeakFma) {
+    __m256 acc[kChains];
+    const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.999999f);
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j + sink));
+    for (int64_t i = 0; i < iters; ++i) {
+      for (int j = 0; j < kChains; ++j) acc[j] = _mm256_fmadd_ps(acc[j], x, y);
+    }
+    __m256 s = acc[0];
+    for (int j = 1; j < kChains; ++j) s = _mm256_add_ps(s, acc[j]);
+    sink = _mm256_movemask_ps(s);
+    return 2.0 * 8 * kChains * static_cast<double>(iters);
+  }
+  __m256i acc[kChains];
+  const __m256i w = _mm256_set1_epi8(static_cast<char>(3 + sink)), x = _mm256_set1_epi8(static_cast<char>(-5 + sink));
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_epi32(j);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int j = 0; j < kChains; ++j) {
+#if PAGEDSERVE_GEMM_AVX_VNNI
+      acc[j] = _mm256_dpbusd_avx_epi32(acc[j], w, x);
+#else
+      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+    }
+  }
+  __m256i s = acc[0];
+  for (int j = 1; j < kChains; ++j) s = _mm256_add_epi32(s, acc[j]);
+  sink = _mm256_movemask_epi8(s);
+  return 2.0 * 32 * kChains * static_cast<double>(iters);
+}
+
+const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32, &peak_ops};
 
 }  // namespace
 

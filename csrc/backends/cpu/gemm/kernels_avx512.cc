@@ -557,7 +557,36 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   if (g < g1) f32_groups<Q, 1>(a, g, m0, m1, scratch);
 }
 
-const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32};
+// kernel_table.h's peak_ops: 12 chains of 16 lanes (FMA: latency 4 x 2
+// pipes needs 8; Zen 4 runs each 512-bit op as two 256-bit halves).
+double peak_ops(int kind, int64_t iters) {
+  constexpr int kChains = 12;
+  volatile int sink = 0;
+  if (kind == kPeakFma) {
+    __m512 acc[kChains];
+    const __m512 x = _mm512_set1_ps(1.0000001f), y = _mm512_set1_ps(0.999999f);
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j + sink));
+    for (int64_t i = 0; i < iters; ++i) {
+      for (int j = 0; j < kChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], x, y);
+    }
+    __m512 s = acc[0];
+    for (int j = 1; j < kChains; ++j) s = _mm512_add_ps(s, acc[j]);
+    sink = static_cast<int>(_mm512_reduce_add_ps(s));
+    return 2.0 * 16 * kChains * static_cast<double>(iters);
+  }
+  __m512i acc[kChains];
+  const __m512i w = _mm512_set1_epi8(static_cast<char>(3 + sink)), x = _mm512_set1_epi8(static_cast<char>(-5 + sink));
+  for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_epi32(j);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_dpbusd_epi32(acc[j], w, x);
+  }
+  __m512i s = acc[0];
+  for (int j = 1; j < kChains; ++j) s = _mm512_add_epi32(s, acc[j]);
+  sink = _mm512_reduce_add_epi32(s);
+  return 2.0 * 64 * kChains * static_cast<double>(iters);
+}
+
+const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32, &peak_ops};
 
 }  // namespace
 

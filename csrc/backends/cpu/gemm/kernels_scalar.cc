@@ -216,7 +216,39 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
   }
 }
 
-const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32};
+// kernel_table.h's peak_ops in plain C++: 8 independent chains (what the
+// compiler makes of them, vectorised or not, is this variant's peak).
+double peak_ops(int kind, int64_t iters) {
+  constexpr int kChains = 8;
+  volatile float fsink = 0.f;
+  volatile int32_t isink = 0;
+  if (kind == kPeakFma) {
+    float acc[kChains], x = 1.0000001f, y = 0.999999f;
+    for (int j = 0; j < kChains; ++j) acc[j] = static_cast<float>(j);
+    for (int64_t i = 0; i < iters; ++i) {
+      for (int j = 0; j < kChains; ++j) acc[j] = acc[j] * x + y;
+    }
+    float s = 0.f;
+    for (int j = 0; j < kChains; ++j) s += acc[j];
+    fsink = s;
+  } else {
+    int32_t acc[kChains];
+    int8_t w = static_cast<int8_t>(fsink + 3.f), x = static_cast<int8_t>(fsink - 5.f);
+    for (int j = 0; j < kChains; ++j) acc[j] = j;
+    for (int64_t i = 0; i < iters; ++i) {
+      for (int j = 0; j < kChains; ++j) acc[j] += static_cast<int32_t>(w) * x;
+      w = static_cast<int8_t>(w + 1);
+    }
+    int32_t s = 0;
+    for (int j = 0; j < kChains; ++j) s += acc[j];
+    isink = s;
+  }
+  (void)fsink;
+  (void)isink;
+  return 2.0 * kChains * static_cast<double>(iters);
+}
+
+const QuantKernelTable kTable{PS_STR(PAGEDSERVE_GEMM_ISA), &quantize_rows, &gemm, &gemm_f32, &peak_ops};
 
 }  // namespace
 
