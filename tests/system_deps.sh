@@ -57,12 +57,24 @@ need=($(missing "${build[@]}" "${tests[@]+"${tests[@]}"}" "${optional[@]+"${opti
 if [ ${#need[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
   echo "installing ${need[*]} (apt-get)"
   export DEBIAN_FRONTEND=noninteractive
-  case " ${need[*]} " in
-    *" libssl-dev:arm64 "*) dpkg --add-architecture arm64 2>/dev/null || true ;;
-  esac
+  host=() foreign=()
+  for p in "${need[@]}"; do
+    case "$p" in *:arm64) foreign+=("$p") ;; *) host+=("$p") ;; esac
+  done
   # the package lists first: a fresh machine has none, an old one may name versions gone from the mirror
-  apt-get update -q >/dev/null && apt-get install -y -q "${need[@]}" >/dev/null \
-    || echo "apt-get could not install every package (offline?); see below"
+  if [ ${#host[@]} -gt 0 ]; then
+    apt-get update -q >/dev/null && apt-get install -y -q "${host[@]}" >/dev/null \
+      || echo "apt-get could not install every package (offline?); see below"
+  fi
+  # another architecture's packages after the host's, so that a mirror without it costs only these; if its
+  # package lists cannot be read the architecture is taken out again (every later apt-get update would fail)
+  if [ ${#foreign[@]} -gt 0 ]; then
+    dpkg --add-architecture arm64
+    if ! { apt-get update -q >/dev/null && apt-get install -y -q "${foreign[@]}" >/dev/null; }; then
+      echo "apt-get could not install ${foreign[*]} (the mirror may not serve arm64); see below"
+      dpkg -l '*:arm64' 2>/dev/null | grep -q '^ii' || { dpkg --remove-architecture arm64; apt-get update -q >/dev/null; }
+    fi
+  fi
 fi
 
 rc=0

@@ -8,6 +8,9 @@ Each request streams ``/v1/completions`` (or ``/v1/chat/completions`` with
 {"include_usage": true}``. The prompts depend only on --seed, so every server
 gets the same text; each run of a sweep (and the warm-up) gets prompts of its
 own, so one run does not find the previous one's prompts in a prefix cache.
+A second invocation with the same --seed sends the same prompts again, which
+both PagedServe and llama-server then answer from their prefix caches (TTFT
+of a few ms): give each round of a repeated comparison its own --seed.
 
     pagedserve bench serving [--base-url URL] [--concurrency C | --sweep 1,8,32 | --request-rate R]
                              [--num-requests N] [--input-len L] [--output-len N] [--json PATH] [--plot PATH]
