@@ -44,6 +44,7 @@ have() {
     python3-venv) python3 -c 'import ensurepip, venv' >/dev/null 2>&1 ;;
     qemu-user) command -v qemu-x86_64 >/dev/null 2>&1 ;;
     libssl-dev:arm64) [ -f /usr/lib/aarch64-linux-gnu/libcrypto.a ] ;;
+    g++-aarch64-linux-gnu) command -v aarch64-linux-gnu-g++ >/dev/null 2>&1 ;;
     clang-19) command -v clang++-19 >/dev/null 2>&1 ;;
     util-linux) command -v unshare >/dev/null 2>&1 ;;
     iproute2) command -v ip >/dev/null 2>&1 ;;

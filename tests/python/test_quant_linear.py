@@ -169,8 +169,9 @@ def test_bad_arguments_raise_kernel_argument_error(gguf_tensors):
 
 
 @pytest.mark.parametrize("kind", ["fma", "int8_dot"])
-def test_peak_probe_of_every_runnable_variant_counts_its_operations(kind):
-    """bench/roofline.py's compute roof: peak_ops returns 2 x lanes x chains x iters, proportional to iters."""
+def test_peak_probe_of_each_gemm_table_counts_its_operations(kind):
+    """bench/roofline.py's compute roof, on one variant per distinct GEMM table this CPU runs: peak_ops
+    returns 2 x lanes x chains x iters, proportional to iters, and refuses a bad kind or count."""
     from pagedserve.errors import InvalidArgumentError
 
     before = cpu.kernel_isa()

@@ -220,7 +220,7 @@ def test_bad_flags_are_one_line_usage_errors(argv, message, capsys):
 
 
 def _tiny_gguf(path, with_output: bool):
-    """A GGUF of three F32 tensors of known sizes: token_embd 64 x 8, blk.0 weight 8 x 8, and output 64 x 8 or none."""
+    """A GGUF of F32 tensors of known sizes: token_embd 64 x 8, blk.0 weight 8 x 8, and output 32 x 8 or none."""
     gguf = pytest.importorskip("gguf", reason="gguf-py is not installed")
     import numpy as np
 
@@ -228,7 +228,7 @@ def _tiny_gguf(path, with_output: bool):
     w.add_tensor("token_embd.weight", np.ones((64, 8), dtype=np.float32))
     w.add_tensor("blk.0.attn_q.weight", np.ones((8, 8), dtype=np.float32))
     if with_output:
-        w.add_tensor("output.weight", np.ones((64, 8), dtype=np.float32))
+        w.add_tensor("output.weight", np.ones((32, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -242,16 +242,20 @@ def test_decode_bytes_per_token_counts_the_embedding_only_when_it_is_the_output_
     tied = _tiny_gguf(tmp_path / "tied.gguf", with_output=False)
     untied = _tiny_gguf(tmp_path / "untied.gguf", with_output=True)
     assert bandwidth.decode_bytes_per_token(tied) == 4 * (64 * 8 + 8 * 8)  # the embedding is read whole as the output
-    assert bandwidth.decode_bytes_per_token(untied) == 4 * (8 * 8 + 64 * 8)  # one row of the embedding: not counted
+    assert bandwidth.decode_bytes_per_token(untied) == 4 * (8 * 8 + 32 * 8)  # one row of the embedding: not counted
 
 
-def test_weights_flag_prints_one_users_bandwidth_floor(bench_server, tmp_path, capsys):
+def test_weights_flag_prints_one_users_bandwidth_floor(bench_server, tmp_path, capsys, monkeypatch):
+    from pagedserve.bench import bandwidth
+
+    monkeypatch.setattr(bandwidth, "read_bandwidth", lambda *a, **k: 1e6)  # 1 MB/s: the floor is bytes / 1e6 s
     weights = _tiny_gguf(tmp_path / "w.gguf", with_output=True)
     argv = ["--base-url", bench_server, "--label", "ps", *SMALL, "--concurrency", "1", "--weights", weights]
     assert run_main(argv) == 0
     text = capsys.readouterr().out
     floor = [line for line in text.splitlines() if line.startswith("bandwidth floor of one user's decode:")]
-    assert len(floor) == 1 and "0.0 MB of w.gguf read per token" in floor[0], text
+    # 4 * (64 + 256) = 1,280 bytes read per token at 1 MB/s: 1.28 ms
+    assert len(floor) == 1 and "read per token / 0.0 GB/s read bandwidth = 1.28 ms" in floor[0], text
     ratio = [line for line in text.splitlines() if line.startswith("  ps c=1: TPOT p50 ")]
     assert len(ratio) == 1 and ratio[0].endswith("x the floor"), text
     # a file gguf-py cannot read is a one-line error, exit status 2, before any request

@@ -221,9 +221,9 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
 //
 // 2 x R accumulators (R <= 6) of the 16 ymm; a 12-row tile of the
 // activations runs as two passes of up to 6 rows. Per k and half group the
-// expansion is a shift, a mask and a conversion then the fma with d and m
-// (Q4_1; vpermps would index only 8 entries), or a byte shuffle, a conversion
-// and a multiply (Q8_0). One pass of rows expands in registers; more rows
+// expansion is a byte shuffle of the masked nibbles and a conversion then the
+// fma with d and m (Q4_1; vpermps would index only 8 entries), or a byte
+// shuffle, a conversion and a multiply (Q8_0). One pass of rows expands in registers; more rows
 // first expand the group once into scratch (K x 16 floats).
 
 // The dequantised weights of element e of the tile at t for rows 8 h .. 8 h + 7
@@ -516,12 +516,14 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   }
 }
 
-// kernel_table.h's peak_ops: 12 chains (FMA: Zen / Intel latency 4-5 x 2
-// pipes needs at least 10), 8 lanes each; the int8 chains as pass() issues them.
+// kernel_table.h's peak_ops. FMA: 12 chains (Zen / Intel latency 4-5 x 2
+// pipes needs at least 10), 8 lanes each. int8: the operands are marked as
+// changed every round by an empty asm statement, so that the compiler cannot
+// compute the (loop-invariant) products once outside the loop.
 double peak_ops(int kind, int64_t iters) {
-  constexpr int kChains = 12;
   volatile int sink = 0;
   if (kind == kPeakFma) {
+    constexpr int kChains = 12;
     __m256 acc[kChains];
     const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.999999f);
     for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j + sink));
@@ -533,20 +535,42 @@ double peak_ops(int kind, int64_t iters) {
     sink = _mm256_movemask_ps(s);
     return 2.0 * 8 * kChains * static_cast<double>(iters);
   }
-  __m256i acc[kChains];
-  const __m256i w = _mm256_set1_epi8(static_cast<char>(3 + sink)), x = _mm256_set1_epi8(static_cast<char>(-5 + sink));
-  for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_epi32(j);
-  for (int64_t i = 0; i < iters; ++i) {
-    for (int j = 0; j < kChains; ++j) {
+  // named variables, not arrays (GCC kept arrays of vectors on the stack). vpdpbusd accumulates in place: 8
+  // chains cover its latency; vpmaddubsw + vpmaddwd's chain is the addition alone, and 6 spilled: 4
 #if PAGEDSERVE_GEMM_AVX_VNNI
-      acc[j] = _mm256_dpbusd_avx_epi32(acc[j], w, x);
+  constexpr int kChains = 8;
 #else
-      acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+  constexpr int kChains = 4;
 #endif
-    }
+  const char base = static_cast<char>(sink);
+  __m256i w = _mm256_set1_epi8(static_cast<char>(base + 3));
+  __m256i x0 = _mm256_set1_epi8(static_cast<char>(base - 5)), x1 = _mm256_set1_epi8(static_cast<char>(base - 4));
+  __m256i x2 = _mm256_set1_epi8(static_cast<char>(base - 3)), x3 = _mm256_set1_epi8(static_cast<char>(base - 2));
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+#if PAGEDSERVE_GEMM_AVX_VNNI
+  __m256i a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+#define PS_PEAK_STEP(a, x) a = _mm256_dpbusd_avx_epi32(a, w, x)
+#else
+#define PS_PEAK_STEP(a, x) a = _mm256_add_epi32(a, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)))
+#endif
+  for (int64_t i = 0; i < iters; ++i) {
+    __asm__ volatile("" : "+x"(w), "+x"(x0), "+x"(x1), "+x"(x2), "+x"(x3));
+    PS_PEAK_STEP(a0, x0);
+    PS_PEAK_STEP(a1, x1);
+    PS_PEAK_STEP(a2, x2);
+    PS_PEAK_STEP(a3, x3);
+#if PAGEDSERVE_GEMM_AVX_VNNI
+    PS_PEAK_STEP(a4, x0);
+    PS_PEAK_STEP(a5, x1);
+    PS_PEAK_STEP(a6, x2);
+    PS_PEAK_STEP(a7, x3);
+#endif
   }
-  __m256i s = acc[0];
-  for (int j = 1; j < kChains; ++j) s = _mm256_add_epi32(s, acc[j]);
+#undef PS_PEAK_STEP
+#if PAGEDSERVE_GEMM_AVX_VNNI
+  a0 = _mm256_add_epi32(_mm256_add_epi32(a0, a4), _mm256_add_epi32(a5, _mm256_add_epi32(a6, a7)));
+#endif
+  const __m256i s = _mm256_add_epi32(_mm256_add_epi32(a0, a1), _mm256_add_epi32(a2, a3));
   sink = _mm256_movemask_epi8(s);
   return 2.0 * 32 * kChains * static_cast<double>(iters);
 }

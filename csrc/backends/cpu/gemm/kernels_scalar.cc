@@ -216,15 +216,17 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
   }
 }
 
-// kernel_table.h's peak_ops in plain C++: 8 independent chains (what the
-// compiler makes of them, vectorised or not, is this variant's peak).
+// kernel_table.h's peak_ops in plain C++: 32 independent chains (the
+// compiler may vectorise them; what it makes of scalar code is this variant's
+// peak), the int8 products each from its own operands, marked as changed every
+// round by an empty asm statement so that none is computed once outside the loop.
 double peak_ops(int kind, int64_t iters) {
-  constexpr int kChains = 8;
+  constexpr int kChains = 32;
   volatile float fsink = 0.f;
-  volatile int32_t isink = 0;
+  volatile uint32_t isink = 0;
   if (kind == kPeakFma) {
     float acc[kChains], x = 1.0000001f, y = 0.999999f;
-    for (int j = 0; j < kChains; ++j) acc[j] = static_cast<float>(j);
+    for (int j = 0; j < kChains; ++j) acc[j] = static_cast<float>(j) + fsink;
     for (int64_t i = 0; i < iters; ++i) {
       for (int j = 0; j < kChains; ++j) acc[j] = acc[j] * x + y;
     }
@@ -232,14 +234,18 @@ double peak_ops(int kind, int64_t iters) {
     for (int j = 0; j < kChains; ++j) s += acc[j];
     fsink = s;
   } else {
-    int32_t acc[kChains];
-    int8_t w = static_cast<int8_t>(fsink + 3.f), x = static_cast<int8_t>(fsink - 5.f);
-    for (int j = 0; j < kChains; ++j) acc[j] = j;
-    for (int64_t i = 0; i < iters; ++i) {
-      for (int j = 0; j < kChains; ++j) acc[j] += static_cast<int32_t>(w) * x;
-      w = static_cast<int8_t>(w + 1);
+    uint32_t acc[kChains];
+    int32_t w[kChains], x[kChains];
+    for (int j = 0; j < kChains; ++j) {
+      acc[j] = static_cast<uint32_t>(j);
+      w[j] = static_cast<int8_t>(j + 3 + static_cast<int>(isink));
+      x[j] = static_cast<int8_t>(j - 5);
     }
-    int32_t s = 0;
+    for (int64_t i = 0; i < iters; ++i) {
+      __asm__ volatile("" : : "r"(w), "r"(x) : "memory");  // w, x may have changed: load them again
+      for (int j = 0; j < kChains; ++j) acc[j] += static_cast<uint32_t>(w[j] * x[j]);
+    }
+    uint32_t s = 0;
     for (int j = 0; j < kChains; ++j) s += acc[j];
     isink = s;
   }
