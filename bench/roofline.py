@@ -44,6 +44,7 @@ import numpy as np
 import torch
 
 from pagedserve.bench.bandwidth import last_level_cache_bytes, read_bandwidth
+from quant_linear import per_call_ms  # bench/quant_linear.py (this script's folder is on sys.path)
 
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16")
 K, N = 1536, 8960
@@ -53,18 +54,7 @@ CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 1024, 12, 2, 128, 16
 
 def best_seconds(fn, budget_ms: float, rounds: int) -> float:
     """The best over `rounds` rounds of the mean seconds per call within a round (each about budget_ms)."""
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    one = max(time.perf_counter() - t0, 1e-7)
-    iters = max(1, int(budget_ms / 1e3 / one))
-    best = math.inf
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / iters)
-    return best
+    return min(per_call_ms(fn, budget_ms) for _ in range(rounds)) / 1e3
 
 
 def measure_peaks(cpu, threads: int, rounds: int) -> dict:
@@ -143,8 +133,8 @@ def gemm_rows(cpu, isa, peaks, rows_list, types, threads, args, rng, int8: bool)
 
             s = best_seconds(call, args.ms, args.rounds)
             nbytes = first.nbytes + 4 * m * (K + N)
-            peak = peaks["int8_dot" if int8 else "fma"] * 1e9
-            out.append(Row("gemm_int8" if int8 else "gemm", isa, qtype, m, s, nbytes, 2.0 * m * N * K, peak / 1e9))
+            out.append(Row("gemm_int8" if int8 else "gemm", isa, qtype, m, s, nbytes, 2.0 * m * N * K,
+                           peaks["int8_dot" if int8 else "fma"]))
     return out
 
 
@@ -252,7 +242,6 @@ def main() -> None:
           f"threads {args.threads}; torch {torch.__version__}")
     print(f"read bandwidth {bw / 1e9:.1f} GB/s (torch summing 8x the last-level cache, {args.threads} threads)")
     rng = np.random.default_rng(0)
-    all_rows: list[Row] = []
     for isa in isas:
         cpu.set_kernel_isa(isa)
         peaks = measure_peaks(cpu, args.threads, args.rounds)
@@ -276,7 +265,6 @@ def main() -> None:
             rows += output_rows(cpu, isa, peaks, rows_list, args.threads, args, rng)
         for r in rows:
             print(r.line(bw / 1e9), flush=True)
-        all_rows += rows
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ inline VecF set1f(float v) { return _mm256_set1_ps(v); }
 inline VecF mulf(VecF a, VecF b) { return _mm256_mul_ps(a, b); }
 inline VecF addf(VecF a, VecF b) { return _mm256_add_ps(a, b); }
 inline VecF subf(VecF a, VecF b) { return _mm256_sub_ps(a, b); }
+inline VecF fmaddf(VecF a, VecF b, VecF c) { return _mm256_fmadd_ps(a, b, c); }  // a * b + c, one rounding
 inline VecF minf(VecF a, VecF b) { return _mm256_min_ps(a, b); }
 inline VecF maxf(VecF a, VecF b) { return _mm256_max_ps(a, b); }
 inline VecI trunc_i32(VecF t) { return _mm256_cvttps_epi32(t); }
@@ -516,25 +517,12 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   }
 }
 
-// kernel_table.h's peak_ops. FMA: 12 chains (Zen / Intel latency 4-5 x 2
-// pipes needs at least 10), 8 lanes each. int8: the operands are marked as
-// changed every round by an empty asm statement, so that the compiler cannot
-// compute the (loop-invariant) products once outside the loop.
+// kernel_table.h's peak_ops: the FMA half is kernels_simd.h's. int8: the
+// operands are marked as changed every round by an empty asm statement, so that
+// the compiler cannot compute the (loop-invariant) products once outside the loop.
 double peak_ops(int kind, int64_t iters) {
+  if (kind == kPeakFma) return peak_fma_ops(iters);
   volatile int sink = 0;
-  if (kind == kPeakFma) {
-    constexpr int kChains = 12;
-    __m256 acc[kChains];
-    const __m256 x = _mm256_set1_ps(1.0000001f), y = _mm256_set1_ps(0.999999f);
-    for (int j = 0; j < kChains; ++j) acc[j] = _mm256_set1_ps(static_cast<float>(j + sink));
-    for (int64_t i = 0; i < iters; ++i) {
-      for (int j = 0; j < kChains; ++j) acc[j] = _mm256_fmadd_ps(acc[j], x, y);
-    }
-    __m256 s = acc[0];
-    for (int j = 1; j < kChains; ++j) s = _mm256_add_ps(s, acc[j]);
-    sink = _mm256_movemask_ps(s);
-    return 2.0 * 8 * kChains * static_cast<double>(iters);
-  }
   // named variables, not arrays (GCC kept arrays of vectors on the stack). vpdpbusd accumulates in place: 8
   // chains cover its latency; vpmaddubsw + vpmaddwd's chain is the addition alone, and 6 spilled: 4
 #if PAGEDSERVE_GEMM_AVX_VNNI

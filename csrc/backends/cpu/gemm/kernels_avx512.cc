@@ -53,6 +53,7 @@ inline VecF set1f(float v) { return _mm512_set1_ps(v); }
 inline VecF mulf(VecF a, VecF b) { return _mm512_mul_ps(a, b); }
 inline VecF addf(VecF a, VecF b) { return _mm512_add_ps(a, b); }
 inline VecF subf(VecF a, VecF b) { return _mm512_sub_ps(a, b); }
+inline VecF fmaddf(VecF a, VecF b, VecF c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, one rounding
 inline VecF minf(VecF a, VecF b) { return _mm512_min_ps(a, b); }
 inline VecF maxf(VecF a, VecF b) { return _mm512_max_ps(a, b); }
 inline VecI trunc_i32(VecF t) { return _mm512_cvttps_epi32(t); }
@@ -557,23 +558,13 @@ void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m
   if (g < g1) f32_groups<Q, 1>(a, g, m0, m1, scratch);
 }
 
-// kernel_table.h's peak_ops: 12 chains of 16 lanes (FMA: latency 4 x 2
-// pipes needs 8; Zen 4 runs each 512-bit op as two 256-bit halves).
+// kernel_table.h's peak_ops: the FMA half is kernels_simd.h's (Zen 4 runs each
+// 512-bit op as two 256-bit halves); int8: 12 vpdpbusd chains, which accumulate
+// in place (the loop-carried dependence keeps them in the loop).
 double peak_ops(int kind, int64_t iters) {
+  if (kind == kPeakFma) return peak_fma_ops(iters);
   constexpr int kChains = 12;
   volatile int sink = 0;
-  if (kind == kPeakFma) {
-    __m512 acc[kChains];
-    const __m512 x = _mm512_set1_ps(1.0000001f), y = _mm512_set1_ps(0.999999f);
-    for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_ps(static_cast<float>(j + sink));
-    for (int64_t i = 0; i < iters; ++i) {
-      for (int j = 0; j < kChains; ++j) acc[j] = _mm512_fmadd_ps(acc[j], x, y);
-    }
-    __m512 s = acc[0];
-    for (int j = 1; j < kChains; ++j) s = _mm512_add_ps(s, acc[j]);
-    sink = static_cast<int>(_mm512_cmp_ps_mask(s, s, _CMP_ORD_Q));
-    return 2.0 * 16 * kChains * static_cast<double>(iters);
-  }
   __m512i acc[kChains];
   const __m512i w = _mm512_set1_epi8(static_cast<char>(3 + sink)), x = _mm512_set1_epi8(static_cast<char>(-5 + sink));
   for (int j = 0; j < kChains; ++j) acc[j] = _mm512_set1_epi32(j);

@@ -1,8 +1,9 @@
 // What the SIMD variants of the quantized linear kernels share
 // (kernels_avx2.cc, kernels_avx512.cc include it after kernels_common.h and
 // after defining their lane primitives: VecF / VecI, kLanes, load_lanes,
-// abs_max, hmax, nan_to_zero, set1f, mulf, addf, subf, minf, maxf, trunc_i32,
-// store_q): the activation quantisation over those primitives, the integer
+// abs_max, hmax, nan_to_zero, set1f, mulf, addf, subf, fmaddf, minf, maxf,
+// trunc_i32, store_q): the activation quantisation over those primitives, the
+// float half of the roofline's peak probe (peak_fma_ops), the integer
 // GEMM of the decoded tiles (256-bit AVX2 instructions in every SIMD variant),
 // and the dispatch of gemm and gemm_f32 to the file's gemm_typed and
 // gemm_f32_typed. Internal linkage throughout, as kernels_common.h.
@@ -195,6 +196,24 @@ template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
 template <TileFormat Q>
 void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch);
+
+// kernel_table.h's peak_ops, kind kPeakFma: 12 register-resident chains of the
+// variant's widest float32 FMA (Zen / Intel latency 4-5 x 2 pipes needs at
+// least 10), `iters` rounds; returns the operations done (2 per lane).
+double peak_fma_ops(int64_t iters) {
+  constexpr int kChains = 12;
+  volatile float sink = 0.f;
+  VecF acc[kChains];
+  const VecF x = set1f(1.0000001f), y = set1f(0.999999f);
+  for (int j = 0; j < kChains; ++j) acc[j] = set1f(static_cast<float>(j) + sink);
+  for (int64_t i = 0; i < iters; ++i) {
+    for (int j = 0; j < kChains; ++j) acc[j] = fmaddf(acc[j], x, y);
+  }
+  VecF s = acc[0];
+  for (int j = 1; j < kChains; ++j) s = addf(s, acc[j]);
+  sink = hmax(s);
+  return 2.0 * kLanes * kChains * static_cast<double>(iters);
+}
 
 void gemm(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   if (gemm_of_decoded_tiles(a, g0, g1, m0, m1)) return;
