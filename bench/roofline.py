@@ -24,8 +24,8 @@ Kernels (the Python bindings the engine and the native step call; random inputs)
              tokens each) and prefill (one sequence, rows = new tokens after 1,024),
              12 query / 2 KV heads of 128 (Qwen2.5-1.5B);
   ops        rms_norm [rows, 1536], silu_and_mul [rows, 2 x 8960], rotary_embedding;
-  output     QuantizedWeight.greedy_logits, the pruned greedy output layer, 151,936 x 896 Q8_0
-             (Qwen2.5-0.5B's tied embedding).
+  output     QuantizedWeight.greedy_logits, the pruned greedy output layer: 151,936 x 896 Q8_0
+             (Qwen2.5-0.5B's tied embedding) and 151,936 x 1536 Q6_K (Qwen2.5-1.5B Q4_K_M's).
 Per cell: time per call (best of --rounds rounds of about --ms ms each), bytes moved
 (weights as held + activations in + out; K and V read), GB/s and the fraction of the
 read bandwidth, GFLOP/s (2 per multiply-add) and the fraction of the variant's FMA peak
@@ -48,7 +48,8 @@ from quant_linear import per_call_ms  # bench/quant_linear.py (this script's fol
 
 GGUF_TYPES = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k", "f16")
 K, N = 1536, 8960
-OUT_VOCAB, OUT_HIDDEN = 151936, 896
+# (type, vocabulary, hidden): Qwen2.5-0.5B's tied Q8_0 embedding, Qwen2.5-1.5B Q4_K_M's Q6_K output layer
+OUTPUT_LAYERS = (("q8_0", 151936, 896), ("q6_k", 151936, 1536))
 CONTEXT, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 1024, 12, 2, 128, 16
 
 
@@ -200,14 +201,15 @@ def ops_rows(cpu, isa, peaks, rows_list, threads, args) -> list[Row]:
 
 
 def output_rows(cpu, isa, peaks, rows_list, threads, args, rng) -> list[Row]:
-    w = cpu.QuantizedWeight(random_weight("q8_0", OUT_VOCAB, OUT_HIDDEN, rng), "q8_0", OUT_VOCAB, OUT_HIDDEN)
     out = []
-    for m in rows_list:
-        x = torch.randn(m, OUT_HIDDEN)
-        y = torch.empty(m, OUT_VOCAB)
-        s = best_seconds(lambda: w.greedy_logits(x, y, threads), args.ms, args.rounds)
-        out.append(Row("output", isa, "greedy q8_0", m, s, w.nbytes + 4 * m * (OUT_HIDDEN + OUT_VOCAB),
-                       2.0 * m * OUT_VOCAB * OUT_HIDDEN, peaks["fma"]))
+    for qtype, vocab, hidden in OUTPUT_LAYERS:
+        w = cpu.QuantizedWeight(random_weight(qtype, vocab, hidden, rng), qtype, vocab, hidden)
+        for m in rows_list:
+            x = torch.randn(m, hidden)
+            y = torch.empty(m, vocab)
+            s = best_seconds(lambda: w.greedy_logits(x, y, threads), args.ms, args.rounds)
+            out.append(Row("output", isa, f"greedy {qtype}", m, s, w.nbytes + 4 * m * (hidden + vocab),
+                           2.0 * m * vocab * hidden, peaks["fma"]))
     return out
 
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cpu/gemm/greedy_logits.h"
 #include "backends/cpu/gemm/quant_linear.h"
 #include "backends/cpu/runtime/isa_registry.h"
 #include "contiguous_arg.h"
@@ -114,7 +115,7 @@ TEST(GGUFTypes, NamesSizesAndFormats) {
   EXPECT_EQ(qtype_block_elements(QType::kQ4_K), 256);
   EXPECT_EQ(qtype_block_elements(QType::kQ5_0), 32);
   EXPECT_EQ(tile_format_of(QType::kQ8_0), TileFormat::kQ8_0);
-  EXPECT_EQ(tile_format_of(QType::kQ6_K), TileFormat::kI8F);
+  EXPECT_EQ(tile_format_of(QType::kQ6_K), TileFormat::kI6F);
   EXPECT_EQ(tile_format_of(QType::kQ5_0), TileFormat::kQ8_0);
   EXPECT_EQ(tile_format_of(QType::kQ4_0), TileFormat::kQ4_1);
   EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU4F);
@@ -318,7 +319,7 @@ void expect_slices_are_the_batchs_rows(const Run& run, const std::vector<float>&
   }
 }
 
-// ---- every variant: linear_f32 on the i8f tiles ----
+// ---- every variant: linear_f32 on every tile format ----
 
 class GGUFTypesVariant : public ::testing::TestWithParam<std::string> {
  protected:
@@ -464,6 +465,69 @@ TEST_P(GGUFTypesVariant, LinearMatchesTheIntegerReferenceOnEveryType) {
     }
     expect_slices_are_the_batchs_rows(run, got, n, {{0, 1}, {10, 1}, {3, 5}, {4, 7}}, q);
     if (HasFatalFailure()) return;
+  }
+}
+
+// greedy_logits on Q6_K's i6f tiles (the output layer of most Q4_K_M files):
+// every value it keeps is linear_f32's bit for bit, every row maximum
+// (ties included) is kept, so argmax is linear_f32's; several rows skip most
+// of the work, one row gets linear_f32 in full. Row 0 of x points at the
+// weight row of the largest norm, and an exact twin of that row ties it.
+TEST_P(GGUFTypesVariant, GreedyLogitsOnQ6_KKeepEveryRowMaximumExactly) {
+  ActiveVariant guard;
+  set_active_isa(GetParam());
+  std::mt19937 rng(59);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const int64_t n = 1000, k = 512, rb = k / 256 * 210, twin = n - 3;
+  std::vector<uint8_t> raw = random_blocks(QType::kQ6_K, n, k, rng);
+  std::vector<float> wd = dequantized(QuantizedWeight(raw.data(), QType::kQ6_K, n, k));
+  int64_t top = 0;
+  double best = -1.0;
+  for (int64_t j = 0; j < twin - 16; ++j) {
+    double sq = 0.0;
+    for (int64_t e = 0; e < k; ++e) sq += static_cast<double>(wd[j * k + e]) * wd[j * k + e];
+    if (sq > best) best = sq, top = j;
+  }
+  std::memcpy(raw.data() + twin * rb, raw.data() + top * rb, static_cast<size_t>(rb));
+  const QuantizedWeight w(raw.data(), QType::kQ6_K, n, k);
+  ASSERT_TRUE(prunes_greedy_logits(w));
+  for (int64_t m : {1, 2, 9}) {
+    for (int threads : {1, 2}) {
+      SCOPED_TRACE("m=" + std::to_string(m) + " threads=" + std::to_string(threads));
+      std::vector<float> x(m * k);
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t e = 0; e < k; ++e) x[i * k + e] = i == 0 ? wd[top * k + e] * 8.f : nd(rng);
+      }
+      std::vector<float> full(m * n), got(m * n, 42.f);
+      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
+                   threads);
+      greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
+      int64_t pruned = 0;
+      for (int64_t i = 0; i < m; ++i) {
+        const float* f = full.data() + i * n;
+        const int64_t first = std::max_element(f, f + n) - f;
+        for (int64_t j = 0; j < n; ++j) {
+          const int64_t at = i * n + j;
+          if (got[at] == -INFINITY && full[at] != -INFINITY) {
+            ++pruned;
+            ASSERT_LT(full[at], f[first]) << "a row maximum was dropped at [" << i << ", " << j << "]";
+          } else {
+            ASSERT_EQ(std::memcmp(&got[at], &full[at], 4), 0) << "a kept value differs at [" << i << ", " << j << "]";
+          }
+        }
+        const float* g = got.data() + i * n;
+        ASSERT_EQ(std::max_element(g, g + n) - g, first) << "row " << i;
+        if (i == 0) {
+          ASSERT_EQ(first, top) << "row 0 points at the weight row of the largest norm";
+          ASSERT_EQ(got[twin], got[top]) << "the twin row ties and is kept";
+        }
+      }
+      if (m > 1) {
+        EXPECT_GT(pruned, m * n / 2) << "greedy_logits skipped too little";
+      } else {
+        EXPECT_EQ(pruned, 0) << "one row: linear_f32 in full";
+      }
+    }
   }
 }
 

@@ -1,5 +1,5 @@
 // GGUF block types (gguf_types.h, quant_linear.h): names, sizes and the exact
-// decoding of the types kept as i8f tiles. Built with -ffp-contract=off (the
+// decoding of the types kept as u4f / u5f / i6f tiles. Built with -ffp-contract=off (the
 // products are written out; none may fuse with a later add).
 #include "backends/cpu/gemm/gguf_types.h"
 
@@ -170,12 +170,12 @@ TileFormat tile_format_of(QType q) {
     case QType::kQ4_K: return TileFormat::kU4F;  // 0..15 with a minimum
     case QType::kQ5_1:
     case QType::kQ5_K: return TileFormat::kU5F;  // 0..31 with a minimum
-    case QType::kQ6_K: return TileFormat::kI8F;  // q - 32 (6 bits), a scale per 16 elements
+    case QType::kQ6_K: return TileFormat::kI6F;  // q - 32 (6 bits), a scale per 16 elements
     case QType::kF32: return TileFormat::kF32;
     case QType::kF16: return TileFormat::kF16;
     case QType::kBF16: return TileFormat::kBF16;
   }
-  return TileFormat::kI8F;
+  return TileFormat::kI6F;
 }
 
 QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst) {
@@ -205,7 +205,7 @@ QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst
   return QType::kQ8_0;
 }
 
-void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m) {
+void decode_row(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m) {
   const int64_t be = qtype_block_elements(q), bb = qtype_block_bytes(q);
   for (int64_t b = 0; b < k / be; ++b, row += bb, qs += be, d += be / 16, m += be / 16) {
     switch (q) {
@@ -215,7 +215,7 @@ void decode_row_i8f(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d
       case QType::kQ4_K:
       case QType::kQ5_K: decode_k4(q, row, qs, d, m); break;
       case QType::kQ6_K: decode_q6_k(row, qs, d, m); break;
-      default: throw KernelArgumentError(std::string(qtype_name(q)) + " keeps its own tiles (no i8f decoding)");
+      default: throw KernelArgumentError(std::string(qtype_name(q)) + " keeps its own tiles (no decoding to quants and scales)");
     }
   }
 }

@@ -16,8 +16,10 @@ constexpr int64_t kGroupRows = kQRows;  // outputs per row group (16)
 
 // C of the bound B[j] = norm[j] * C (greedy_logits.h) for row x [K] and its
 // int8 quantisation (xq [K/32, M, 32], xd [K/32, M]: quantize_rows' layout,
-// the row at index r of M), rounded up to float32.
-float bound_factor(const float* x, int64_t k, const int8_t* xq, const float* xd, int64_t m, int64_t r) {
+// the row at index r of M), rounded up to float32; per_block: the int8 pass's
+// roundings per 32-block counted in its term (2: Q8_0; 4: i6f, a scale per 16).
+float bound_factor(const float* x, int64_t k, const int8_t* xq, const float* xd, int64_t m, int64_t r,
+                   int64_t per_block) {
   const int64_t nb = k / kQBlock;
   double e2 = 0.0, x2 = 0.0;  // |x~ - x|^2 and |x|^2; each term exact in double, each sum within K 2^-53
   for (int64_t b = 0; b < nb; ++b) {
@@ -30,7 +32,7 @@ float bound_factor(const float* x, int64_t k, const int8_t* xq, const float* xd,
     }
   }
   const double en = std::sqrt(e2) * (1.0 + 0x1p-30), xn = std::sqrt(x2) * (1.0 + 0x1p-30);
-  const double c = (en + static_cast<double>(k + 2 * nb + 8) * 0x1p-23 * (xn + en)) * (1.0 + 0x1p-20);
+  const double c = (en + static_cast<double>(k + per_block * nb + 8) * 0x1p-23 * (xn + en)) * (1.0 + 0x1p-20);
   float f = static_cast<float>(c);
   if (static_cast<double>(f) < c) f = std::nextafter(f, INFINITY);
   return f;
@@ -75,7 +77,7 @@ bool row_candidates(const float* a, const float* norms, int64_t n, float c, floa
 }  // namespace
 
 bool prunes_greedy_logits(const QuantizedWeight& w) {
-  return w.tile_format() == TileFormat::kQ8_0 && w.integer_kernels();
+  return (w.tile_format() == TileFormat::kQ8_0 || w.tile_format() == TileFormat::kI6F) && w.integer_kernels();
 }
 
 void greedy_logits(const QuantizedWeight& w, const TensorArg& x, const TensorArg& out, int num_threads) {
@@ -107,7 +109,10 @@ void greedy_logits_raw(const QuantizedWeight& w, const float* x, int64_t m, floa
   std::vector<int32_t> xsum128(static_cast<size_t>(m * nb));
   kernels.quantize_rows(x, DType::kFloat32, k, m, 0, m, xq.data(), xd.data(), xsum128.data(), xs.data());
   std::vector<float> c(static_cast<size_t>(m));
-  for (int64_t r = 0; r < m; ++r) c[static_cast<size_t>(r)] = bound_factor(x + r * k, k, xq.data(), xd.data(), m, r);
+  const int64_t per_block = w.tile_format() == TileFormat::kI6F ? 4 : 2;
+  for (int64_t r = 0; r < m; ++r) {
+    c[static_cast<size_t>(r)] = bound_factor(x + r * k, k, xq.data(), xd.data(), m, r, per_block);
+  }
   w.linear_raw(x, DType::kFloat32, m, out, nullptr, num_threads, kernels);  // the int8 first pass
   std::vector<std::vector<int64_t>> groups(static_cast<size_t>(m));
   std::atomic<bool> ok{true};

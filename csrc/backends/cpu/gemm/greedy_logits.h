@@ -13,7 +13,9 @@
 // of their magnitudes, here at most norm[j] |x| (the exact pass, n = K + 1;
 // its scalar variant rounds each product and each sum: within the same
 // gamma) and norm[j] |x~| (the int8 pass, n <= 2 K / 32 + 4: a scale product,
-// then a multiply-add or a product and a sum per block); 2^-23 a term, twice
+// then a multiply-add or a product and a sum per block; Q6_K's i6f tiles have
+// two such terms a block, a scale per 16 elements, and are counted with
+// 4 K / 32 in place of 2 K / 32); 2^-23 a term, twice
 // u, covers gamma_n while n u <= 1/2 (K up to 2^22; larger K takes the full
 // layer). Where values come near underflow, an absolute 2^-100 in the
 // comparison covers what subnormal results can lose; where a partial sum could
@@ -37,9 +39,9 @@
 namespace pagedserve {
 namespace cpu {
 
-// Whether greedy_logits can skip work on this weight: Q8_0 tiles (no minimum
-// term, so the int8 pass's per-term magnitudes are the weights') that the
-// integer kernels run. Other weights get linear_f32 in full.
+// Whether greedy_logits can skip work on this weight: Q8_0 or i6f (Q6_K)
+// tiles (no minimum term, so the int8 pass's per-term magnitudes are the
+// weights') that the integer kernels run. Other weights get linear_f32 in full.
 bool prunes_greedy_logits(const QuantizedWeight& w);
 
 // out [M, N] float32 for x [M, K] float32 (both contiguous; no bias): every

@@ -29,8 +29,13 @@
 //         qh bit << 4 (0..31);
 //   u4f tile (384 bytes): u5f's without qh: element e of row j is d * q + m,
 //         q its nibble (0..15);
-//   i8f tile (768 bytes): float d[2][16], float m[2][16], int8 qs[8][16][4]
-//         (q8_0's order): element e of row j is d[e / 16][j] * qs + m[e / 16][j];
+//   i6f tile (512 bytes): float d[2][16], then u4f's nibbles uint8
+//         qs[4][16][4] (the low 4 bits of v), then uint8 qh[2][16][4]: byte
+//         qh[s][j][b] holds the 2 high bits of v for elements 4p+b (bits
+//         4(p-2s) .. +1) and 16+4p+b (bits 4(p-2s)+2 .. +3) of row j, p = 2s and
+//         2s+1. v is 0..63 and element e of row j is d[e / 16][j] * (v - 32)
+//         (no minimum: Q6_K has none). 1.0 bytes a weight, against the 0.82 of
+//         the Q6_K blocks (whose scales are 8-bit factors of one fp16 d);
 //   f32 tile (2048 bytes): float w[32][16]: w[e][j] = element e of row j;
 //   f16 / bf16 tile (1024 bytes): uint16 w[32][16], the same order, IEEE
 //         half / bfloat16 bits (widened to float32 exactly). These dense tiles
@@ -39,9 +44,9 @@
 // The other GGUF block types are repacked exactly (gguf_types.h): Q4_0 (q - 8)
 // into q4_1 (m = -8 d; q8_0 where that is no float16) and Q5_0 (q - 16) into
 // q8_0, Q4_K into u4f, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
-// a scale per 16 elements) into i8f; their scales as the float32 products
-// gguf-py computes (Q4_K / Q5_K d * sc and -(dmin * m), Q6_K d * sc; m = -0.0
-// in i8f where the type has no minimum, so d * q + m is d * q bit for bit).
+// a scale per 16 elements) into i6f; their scales as the float32 products
+// gguf-py computes (Q4_K / Q5_K d * sc and -(dmin * m), Q6_K d * sc; gguf-py's
+// minimum for Q6_K is -0.0, so its d * q + m is d * q bit for bit).
 // Tiles are stored group-major: tile(g, kb) at ((g * K/32) + kb) * tile_bytes.
 #pragma once
 
@@ -56,18 +61,20 @@ constexpr int kQBlock = 32;        // elements per GGUF block (and per activatio
 constexpr int kQRows = 16;         // output rows per interleaved row group
 constexpr int kQ41TileBytes = 320; // 16 rows x (fp16 d + fp16 m + 16 nibble bytes)
 constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
-constexpr int kI8FTileBytes = 768; // 16 rows x (2 float d + 2 float m + 32 int8)
+constexpr int kI6FTileBytes = 512; // 16 rows x (2 float d + 16 nibble bytes + 8 bytes of 2-bit fields)
 constexpr int k5FTileBytes = 448;  // 16 rows x (float d + float m + 16 nibble bytes + uint32 high bits)
 constexpr int kU4FTileBytes = 384; // 16 rows x (float d + float m + 16 nibble bytes)
+constexpr int kI6FNibbles = 128;   // byte offsets in an i6f tile: the nibbles, then the 2-bit fields
+constexpr int kI6FHigh = 384;
 constexpr int kF32TileBytes = 2048; // 16 rows x 32 float
 constexpr int kF16TileBytes = 1024; // 16 rows x 32 half or bfloat16 (f16 and bf16 tiles)
 
 // The tile formats the kernels read (above). q4_1 and q8_0 hold those GGUF
-// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4f, u5f and i8f hold
+// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4f, u5f and i6f hold
 // the other quantised types; f32, f16 and bf16 unquantised weights (gemm_f32 only).
-enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI8F, kF32, kF16, kBF16 };
+enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI6F, kF32, kF16, kBF16 };
 
-// These two have internal linkage (an unnamed namespace), so even a run-time
+// These three have internal linkage (an unnamed namespace), so even a run-time
 // call from a per-ISA kernel object emits no weak symbol another object's
 // caller could bind to.
 namespace {
@@ -75,7 +82,7 @@ namespace {
 // Bytes of one tile of format f (the layouts above).
 constexpr int tile_bytes(TileFormat f) {
   return f == TileFormat::kQ4_1 ? kQ41TileBytes : f == TileFormat::kQ8_0 ? kQ80TileBytes
-         : f == TileFormat::kI8F ? kI8FTileBytes : f == TileFormat::kU4F ? kU4FTileBytes
+         : f == TileFormat::kI6F ? kI6FTileBytes : f == TileFormat::kU4F ? kU4FTileBytes
          : f == TileFormat::kU5F ? k5FTileBytes : f == TileFormat::kF32 ? kF32TileBytes : kF16TileBytes;
 }
 
@@ -83,6 +90,14 @@ constexpr int tile_bytes(TileFormat f) {
 // of row j at 16 e + j, no scales; gemm_f32 only.
 constexpr bool dense_format(TileFormat f) {
   return f == TileFormat::kF32 || f == TileFormat::kF16 || f == TileFormat::kBF16;
+}
+
+// The quant (v - 32, in -32 .. 31) of element e (0..31) of row j (0..15) in the i6f tile at t (the layout above).
+inline int i6f_quant(const uint8_t* t, int j, int e) {
+  const int p = (e & 15) >> 2, half = e >> 4, at = 4 * j + (e & 3);
+  const int nibble = (t[kI6FNibbles + 64 * p + at] >> (4 * half)) & 0x0F;
+  const int high = (t[kI6FHigh + 64 * (p >> 1) + at] >> (4 * (p & 1) + 2 * half)) & 0x03;
+  return (nibble | high << 4) - 32;
 }
 
 }  // namespace
@@ -104,7 +119,7 @@ struct QuantActivations {
 // One GEMM call: out [M, N] (row stride N, dtype float32 or bfloat16) =
 // x . W^T (+ bias [N] float32, or nullptr).
 struct QuantGemmArgs {
-  TileFormat format;  // any quantised one (i8f's minima must be zero; never f32 / f16 / bf16: QuantizedWeight checks)
+  TileFormat format;  // any quantised one (never f32 / f16 / bf16: QuantizedWeight checks)
   const uint8_t* w;  // repacked tiles (layout above)
   int64_t n, k;      // real N (unpadded) and K
   int64_t m;
@@ -120,7 +135,7 @@ constexpr int kF32Rows = 12;
 
 // One gemm_f32 call: out [M, N] float32 (row stride ldo) = x . W^T (+ bias [N]
 // float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
-// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f / i8f d * q + m; f32 / f16 /
+// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f d * q + m, i6f d * (v - 32); f32 / f16 /
 // bf16 the stored values widened), accumulated in float32 along k in
 // order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
 // the product and the sum separately).

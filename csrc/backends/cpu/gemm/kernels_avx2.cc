@@ -8,7 +8,7 @@
 // (each at most 2 * 15 * 127, eight of them below 32767); Q8_0 would saturate
 // i16 as q + 128, so it uses the |w| / sign(x, w) form instead. 4 activation
 // rows share each unpacked weight tile per pass. The decoded tiles (u4f, u5f,
-// i8f) run the integer kernel of kernels_simd.h; gemm_f32 (the exact float32
+// i6f) run the integer kernel of kernels_simd.h; gemm_f32 (the exact float32
 // GEMM) is described at its section.
 //
 // Everything but the table getter has internal linkage and no standard-library
@@ -260,23 +260,38 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
                                         _mm256_set1_epi32(0x10));
     const __m256i v = _mm256_or_si256(nib, hb);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
+  } else if constexpr (Q == TileFormat::kI6F) {
+    // The bytes v - 32 of the four elements 16 half + 4 p + b (b = 0..3) of each lane: the nibbles masked, the
+    // 2-bit fields moved to bits 4..5 (16-bit shifts: the mask keeps only bits from the same byte), joined,
+    // - 32: the same expression for the four e that share it (the unrolled callers compute it once); then the
+    // one wanted to the top byte, q * 2^24 as int32 (as Q8_0's below), times d * 2^-24: exact.
+    const int p = (e & 15) >> 2, byte = e & 3, half = e >> 4, at = 4 * (p & 1) + 2 * half;
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FNibbles + 64 * p + 32 * h));
+    const __m256i nib = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FHigh + 64 * (p >> 1) + 32 * h));
+    const __m256i hi = _mm256_and_si256(at < 4 ? _mm256_slli_epi16(qh, 4 - at) : at > 4 ? _mm256_srli_epi16(qh, at - 4)
+                                                                                        : qh, _mm256_set1_epi8(0x30));
+    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(32));
+    const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
+    const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(top),
+                                         _mm256_set_epi32(12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0));
+    (void)m;
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_shuffle_epi8(v, ctl)), d);
   } else {
     const int c = e >> 2, byte = e & 3;
-    const int base = Q == TileFormat::kQ8_0 ? 32 : kI8FQuants;
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + base + 64 * c + 32 * h));
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 32 + 64 * c + 32 * h));
     const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
     const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(top),
                                          _mm256_set_epi32(12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0));
     const __m256 q = _mm256_cvtepi32_ps(_mm256_shuffle_epi8(raw, ctl));
-    if constexpr (Q == TileFormat::kI8F) return _mm256_fmadd_ps(q, d, m);  // exact d * q, one rounding
     (void)m;
     return _mm256_mul_ps(q, d);
   }
 }
 
-// The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i8f: d * 2^-24) and
-// m (Q4_1, u5f, u4f, i8f; else zero); eh: which 16 elements of the
-// block (i8f's scales change there).
+// The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i6f: d * 2^-24) and
+// m (Q4_1, u5f, u4f; else zero); eh: which 16 elements of the
+// block (i6f's scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
   if constexpr (dense_format(Q)) {  // no scales
@@ -291,10 +306,10 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, 
     *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
     return;
   }
-  if constexpr (Q == TileFormat::kI8F) {
-    const float* s = reinterpret_cast<const float*>(t) + kQRows * eh + 8 * h;
-    *d = _mm256_mul_ps(_mm256_loadu_ps(s), _mm256_set1_ps(0x1p-24f));
-    *m = _mm256_loadu_ps(s + 2 * kQRows);
+  if constexpr (Q == TileFormat::kI6F) {
+    *d = _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * eh + 8 * h),
+                       _mm256_set1_ps(0x1p-24f));
+    *m = _mm256_setzero_ps();
     return;
   }
   *d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 16 * h)));

@@ -6,7 +6,7 @@
 // Weights are unsigned operands: Q4_1 nibbles as they are (0..15), Q8_0 as
 // q + 128 (xor 0x80) with -128 * sum(xq) as the accumulator's start value.
 // Several activation rows reuse each unpacked weight tile in registers (8 per
-// pass). The decoded tiles (u4f, u5f, i8f) run the 256-bit integer kernel of
+// pass). The decoded tiles (u4f, u5f, i6f) run the 256-bit integer kernel of
 // kernels_simd.h; gemm_f32 (the exact float32 GEMM) is described at its section.
 //
 // Everything but the table getter has internal linkage and no standard-library
@@ -241,23 +241,36 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
                                         _mm512_set1_epi32(0x10));
     const __m512i v = _mm512_or_si512(nib, hb);
     return _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
+  } else if constexpr (Q == TileFormat::kI6F) {  // as kernels_avx2.cc's expand8, 16 rows
+    const int p = (e & 15) >> 2, byte = e & 3, half = e >> 4, at = 4 * (p & 1) + 2 * half;
+    const __m512i raw = _mm512_loadu_si512(t + kI6FNibbles + 64 * p);
+    const __m512i nib = _mm512_and_si512(half == 0 ? raw : _mm512_srli_epi16(raw, 4), _mm512_set1_epi8(0x0F));
+    const __m512i qh = _mm512_loadu_si512(t + kI6FHigh + 64 * (p >> 1));
+    const __m512i hi = _mm512_and_si512(at < 4 ? _mm512_slli_epi16(qh, 4 - at) : at > 4 ? _mm512_srli_epi16(qh, at - 4)
+                                                                                        : qh, _mm512_set1_epi8(0x30));
+    const __m512i v = _mm512_sub_epi8(_mm512_or_si512(nib, hi), _mm512_set1_epi8(32));
+    const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
+    const __m512i ctl = _mm512_add_epi32(_mm512_set1_epi32(top), _mm512_set_epi32(
+        12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24,
+        8 << 24, 4 << 24, 0));
+    (void)m;
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_shuffle_epi8(v, ctl)), d);  // (v - 32) 2^24 * d 2^-24: exact
   } else {
     const int c = e >> 2, byte = e & 3;
-    const __m512i raw = _mm512_loadu_si512(t + (Q == TileFormat::kQ8_0 ? 32 : kI8FQuants) + 64 * c);
+    const __m512i raw = _mm512_loadu_si512(t + 32 + 64 * c);
     // byte `byte` of each dword to its top byte, the rest zero: q * 2^24 as int32
     const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
     const __m512i ctl = _mm512_add_epi32(_mm512_set1_epi32(top), _mm512_set_epi32(
         12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0, 12 << 24,
         8 << 24, 4 << 24, 0));
     const __m512 q = _mm512_cvtepi32_ps(_mm512_shuffle_epi8(raw, ctl));
-    if constexpr (Q == TileFormat::kI8F) return _mm512_fmadd_ps(q, d, m);  // exact d * q, one rounding
     (void)m;
     return _mm512_mul_ps(q, d);
   }
 }
 
-// The tile's scales for expand16: d (Q8_0, i8f: d * 2^-24) and m (Q4_1, u5f,
-// u4f, i8f; else zero); eh: which 16 elements of the block (i8f's
+// The tile's scales for expand16: d (Q8_0, i6f: d * 2^-24) and m (Q4_1, u5f,
+// u4f; else zero); eh: which 16 elements of the block (i6f's
 // scales change there).
 template <TileFormat Q>
 inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
@@ -272,9 +285,9 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512*
     *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
     return;
   }
-  if constexpr (Q == TileFormat::kI8F) {
+  if constexpr (Q == TileFormat::kI6F) {
     *d = _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * eh), _mm512_set1_ps(0x1p-24f));
-    *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 128) + kQRows * eh);
+    *m = _mm512_setzero_ps();
     return;
   }
   *d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t)));

@@ -70,7 +70,7 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // ---- the exact float32 GEMM (gemm_f32): float32 activations, weights expanded exactly ----
 //
 // The weights are expanded from the tiles to gguf-py's float32 values (Q4_1
-// d * q + m, Q8_0 d * q, i8f d * q + m: kernel_table.h) and multiplied with the float32
+// d * q + m, Q8_0 d * q, i6f d * (v - 32): kernel_table.h) and multiplied with the float32
 // activations, accumulated in float32 along k in order. The SIMD variants
 // hold vectors along N (lane j = row 16 g + j): element e of a block is byte
 // e % 4 (Q4_1: nibble e / 16) of every lane of one 64-byte qs row, so one
@@ -80,10 +80,12 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
 // (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
-// u5f / u4f / i8f: d * q is exact by construction (gguf_types.h: at most 23 significant
+// u5f / u4f / i6f: d * q is exact by construction (gguf_types.h: at most 23 significant
 // bits for every type), d * 2^-24 stays normal for every d the repacking
 // makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's
-// d * q + m (or d * q - dm) does after its exact product.
+// d * q + m (or d * q - dm) does after its exact product; i6f's v - 32 is
+// formed exactly (as an integer or a float) and multiplied by d, the zero's
+// sign as numpy's d * q gives it.
 // Per (row, column) the accumulation is one chain acc = fma(x, w, acc) over
 // k = 0 .. K-1 (the scalar variant: acc + x * w, two roundings) in every
 // path, so a row's result does not depend on the tiling, the work split or
@@ -111,15 +113,12 @@ constexpr int nibbles_at() {
   return Q == TileFormat::kQ4_1 ? 64 : k5FNibbles;
 }
 
-// Whether a format's scales change at element 16 of a block (i8f: one d and m
-// per 16 elements); the SIMD loops reload them there.
+// Whether a format's scales change at element 16 of a block (i6f: one d per
+// 16 elements); the SIMD loops reload them there.
 template <TileFormat Q>
 constexpr bool half_scales() {
-  return Q == TileFormat::kI8F;
+  return Q == TileFormat::kI6F;
 }
-
-// Byte offset of the quants in an i8f tile (after float d[2][16] and m[2][16]).
-constexpr int kI8FQuants = 256;
 
 // out[r, c0 + j] = acc[j] (+ bias) for j < min(16, N - c0).
 inline void write_out_f32(const QuantF32GemmArgs& a, int64_t r, int64_t c0, const float* acc) {

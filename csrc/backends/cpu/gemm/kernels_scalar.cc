@@ -111,14 +111,12 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
         acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
         acc[j] = acc[j] + m * xs;
       }
-    } else {  // i8f: a scale per 16 elements; its minima are zero (QuantizedWeight checks that for linear)
-      const uint8_t* t = a.w + (g * nb + b) * kI8FTileBytes;
+    } else {  // i6f: a scale per 16 elements, no minimum
+      const uint8_t* t = a.w + (g * nb + b) * kI6FTileBytes;
       for (int j = 0; j < kQRows; ++j) {
         for (int half = 0; half < 2; ++half) {
           int32_t isum = 0;
-          for (int e = 16 * half; e < 16 * half + 16; ++e) {
-            isum += static_cast<int32_t>(static_cast<int8_t>(t[kI8FQuants + 64 * (e >> 2) + 4 * j + (e & 3)])) * xq[e];
-          }
+          for (int e = 16 * half; e < 16 * half + 16; ++e) isum += i6f_quant(t, j, e) * xq[e];
           float d;
           memcpy(&d, t + 4 * (kQRows * half + j), 4);
           acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
@@ -180,14 +178,9 @@ void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float
       w[j] = prod + m;
     }
   } else {
-    const uint8_t* t = a.w + (g * nb + b) * kI8FTileBytes;
+    const uint8_t* t = a.w + (g * nb + b) * kI6FTileBytes;
     const float* d = reinterpret_cast<const float*>(t) + kQRows * (e >> 4);
-    const float* m = reinterpret_cast<const float*>(t + 128) + kQRows * (e >> 4);
-    for (int j = 0; j < kQRows; ++j) {
-      const int8_t q = static_cast<int8_t>(t[kI8FQuants + 64 * (e >> 2) + 4 * j + (e & 3)]);
-      const float prod = d[j] * static_cast<float>(q);
-      w[j] = prod + m[j];
-    }
+    for (int j = 0; j < kQRows; ++j) w[j] = d[j] * static_cast<float>(i6f_quant(t, j, e));  // exact
   }
 }
 

@@ -65,7 +65,7 @@ void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0,
   }
 }
 
-// ---- the integer GEMM of the decoded tiles (u4f, u5f, i8f): every SIMD variant ----
+// ---- the integer GEMM of the decoded tiles (u4f, u5f, i6f): every SIMD variant ----
 //
 // 8 output rows per ymm (half a row group), up to 4 activation rows a pass,
 // in AVX2 instructions only (the AVX2 variant's vpmaddubsw + vpmaddwd forms),
@@ -76,11 +76,10 @@ void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0,
 //     four vpmaddubsw per i16 partial sum (each at most 2 * 31 * 127, four
 //     below 32767), then per block, d and m float32:
 //       acc = fma(isum, d * xd, acc); acc = fma(m, xs, acc)
-//   i8f: signed quants as the AVX2 Q8_0 form (|q| times sign(xq, q)), one
-//     integer sum per 16 elements (a scale each):
+//   i6f: the nibble and the 2-bit field joined, - 32, then signed as the
+//     AVX2 Q8_0 form (|q| times sign(xq, q)), one integer sum per 16
+//     elements (a scale each):
 //       acc = fma(isum_lo, d_lo * xd, acc); acc = fma(isum_hi, d_hi * xd, acc)
-//     (its minima are zero: QuantizedWeight::linear refuses an i8f weight
-//     whose minima are not).
 
 constexpr int kDecodedRowsPerPass = 4;
 
@@ -99,10 +98,15 @@ inline __m256i high_bits_to_bytes(__m256i v) {
   return _mm256_slli_epi32(_mm256_and_si256(spread, _mm256_set1_epi32(0x01010101)), 4);
 }
 
-// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7.
+// Out rows r .. r+R-1, columns 16 g + 8 h .. 16 g + 8 h + 7. pf: nullptr, or
+// the next row group's tiles, prefetched block by block into L2 (as
+// kernels_avx512.cc's pass; a group of i6f tiles at K = 1536 is 24 KB, more
+// than L1 keeps beside the group being read): a cold GEMV of Q6_K tiles ran
+// 1.2-1.9x faster with it (docs/benchmarks.md, "Behind the code").
 template <TileFormat Q, int R>
-void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
+void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf) {
   constexpr int64_t kTile = tile_bytes(Q);
+  constexpr int kLines = (kTile + 63) / 64;
   const int64_t nb = a.k / kQBlock, m = a.m;
   const uint8_t* t = a.w + g * nb * kTile;
   const int8_t* xq = a.x.xq + r * kQBlock;  // then + 32 m per block; row i at + 32 i
@@ -112,16 +116,34 @@ void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
   __m256 acc[R];
   for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b, t += kTile, xq += m * kQBlock, xd += m, xs += m) {
-    if constexpr (Q == TileFormat::kI8F) {
-      __m256i s[2][R];
-      for (int i = 0; i < R; ++i) s[0][i] = s[1][i] = _mm256_setzero_si256();
-      for (int c = 0; c < 8; ++c) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI8FQuants + 64 * c + 32 * h));
-        const __m256i aw = _mm256_sign_epi8(w, w);  // |q| (-128 -> 128 as u8)
-        for (int i = 0; i < R; ++i) {
-          const __m256i sx = _mm256_sign_epi8(bcast_dword(xq + kQBlock * i + 4 * c), w);  // x * sign(q)
-          s[c >> 2][i] = _mm256_add_epi32(s[c >> 2][i], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, sx), ones));
+    if (pf != nullptr) {
+      for (int j = 0; j < kLines; ++j) _mm_prefetch(reinterpret_cast<const char*>(pf) + 64 * j, _MM_HINT_T1);
+      pf += kTile;
+    }
+    if constexpr (Q == TileFormat::kI6F) {
+      const __m256i low = _mm256_set1_epi8(0x0F), bits45 = _mm256_set1_epi8(0x30), bias = _mm256_set1_epi8(32);
+      const __m256i qh[2] = {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FHigh + 32 * h)),
+                             _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FHigh + 64 + 32 * h))};
+      __m256i s[2][R], p16[R];
+      for (int half = 0; half < 2; ++half) {  // elements 16 half + 4 p + b, a scale each half
+        for (int i = 0; i < R; ++i) p16[i] = _mm256_setzero_si256();
+        for (int p = 0; p < 4; ++p) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FNibbles + 64 * p + 32 * h));
+          const __m256i nib = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), low);
+          // the 2-bit field at bit 4 (p & 1) + 2 half of each byte, moved to bits 4..5 (16-bit shifts: the
+          // mask keeps only bits that came from the same byte)
+          const int at = 4 * (p & 1) + 2 * half;
+          const __m256i q2 = qh[p >> 1];
+          const __m256i hi = _mm256_and_si256(at < 4 ? _mm256_slli_epi16(q2, 4 - at)
+                                              : at > 4 ? _mm256_srli_epi16(q2, at - 4) : q2, bits45);
+          const __m256i w = _mm256_sub_epi8(_mm256_or_si256(nib, hi), bias);  // v - 32 in -32 .. 31
+          const __m256i aw = _mm256_sign_epi8(w, w);                           // |v - 32| <= 32
+          for (int i = 0; i < R; ++i) {  // four products of at most 2 * 32 * 127 each: no i16 overflow
+            const __m256i sx = _mm256_sign_epi8(bcast_dword(xq + kQBlock * i + 16 * half + 4 * p), w);
+            p16[i] = _mm256_add_epi16(p16[i], _mm256_maddubs_epi16(aw, sx));
+          }
         }
+        for (int i = 0; i < R; ++i) s[half][i] = _mm256_madd_epi16(p16[i], ones);
       }
       for (int half = 0; half < 2; ++half) {  // d[half][16] at 0: row j's at 4 (16 half + j)
         const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + kQRows * half + 8 * h);
@@ -164,19 +186,26 @@ void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r) {
   }
 }
 
+// The first pass over a group prefetches the next one.
 template <TileFormat Q>
 void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  constexpr int64_t kTile = tile_bytes(Q);
+  const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
     for (int h = 0; h < 2; ++h) {
       if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
       int64_t r = m0;
-      for (; r + kDecodedRowsPerPass <= m1; r += kDecodedRowsPerPass) pass_decoded<Q, kDecodedRowsPerPass>(a, g, h, r);
+      for (; r + kDecodedRowsPerPass <= m1; r += kDecodedRowsPerPass, pf = nullptr) {
+        pass_decoded<Q, kDecodedRowsPerPass>(a, g, h, r, pf);
+      }
       switch (m1 - r) {
-        case 3: pass_decoded<Q, 3>(a, g, h, r); break;
-        case 2: pass_decoded<Q, 2>(a, g, h, r); break;
-        case 1: pass_decoded<Q, 1>(a, g, h, r); break;
+        case 3: pass_decoded<Q, 3>(a, g, h, r, pf); break;
+        case 2: pass_decoded<Q, 2>(a, g, h, r, pf); break;
+        case 1: pass_decoded<Q, 1>(a, g, h, r, pf); break;
         default: break;
       }
+      pf = nullptr;
     }
   }
 }
@@ -186,7 +215,7 @@ inline bool gemm_of_decoded_tiles(const QuantGemmArgs& a, int64_t g0, int64_t g1
   switch (a.format) {
     case TileFormat::kU4F: gemm_decoded<TileFormat::kU4F>(a, g0, g1, m0, m1); return true;
     case TileFormat::kU5F: gemm_decoded<TileFormat::kU5F>(a, g0, g1, m0, m1); return true;
-    case TileFormat::kI8F: gemm_decoded<TileFormat::kI8F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kI6F: gemm_decoded<TileFormat::kI6F>(a, g0, g1, m0, m1); return true;
     default: return false;
   }
 }
@@ -231,7 +260,7 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
     case TileFormat::kQ8_0: gemm_f32_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kU4F: gemm_f32_typed<TileFormat::kU4F>(a, g0, g1, m0, m1, scratch); break;
-    case TileFormat::kI8F: gemm_f32_typed<TileFormat::kI8F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kI6F: gemm_f32_typed<TileFormat::kI6F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kF32: gemm_f32_typed<TileFormat::kF32>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kF16: gemm_f32_typed<TileFormat::kF16>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kBF16: gemm_f32_typed<TileFormat::kBF16>(a, g0, g1, m0, m1, scratch); break;

@@ -1,5 +1,5 @@
 // QuantizedWeight: GGUF weights repacked into the tiles of gemm/kernel_table.h
-// (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4f / i8f by
+// (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4f / i6f by
 // gguf_types.cc), dequantisation and
 // the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
 // dequantisation must round d * q and + m separately, as numpy does).
@@ -205,11 +205,11 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
   std::vector<int8_t> qs(static_cast<size_t>(k_));
   std::vector<float> d(static_cast<size_t>(k_ / 16)), m(static_cast<size_t>(k_ / 16));
   for (int64_t row = 0; row < n_; ++row) {
-    decode_row_i8f(qtype_, raw + row * row_bytes, k_, qs.data(), d.data(), m.data());
+    decode_row(qtype_, raw + row * row_bytes, k_, qs.data(), d.data(), m.data());
     const int64_t g = row / kQRows, j = row % kQRows;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-      if (format_ != TileFormat::kI8F) {  // u5f / u4f: one scale per 32 (both halves' are equal), 5 / 4 bits a quant
+      if (format_ != TileFormat::kI6F) {  // u5f / u4f: one scale per 32 (both halves' are equal), 5 / 4 bits a quant
         std::memcpy(t + 4 * j, &d[static_cast<size_t>(2 * b)], 4);
         std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
         uint32_t high = 0;
@@ -222,13 +222,20 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
         if (format_ == TileFormat::kU5F) std::memcpy(t + 384 + 4 * j, &high, 4);
         continue;
       }
+      // i6f: a scale per 16 elements, v = q + 32 in 0..63 as a nibble and a 2-bit field (kernel_table.h)
       for (int h = 0; h < 2; ++h) {
         std::memcpy(t + 4 * (kQRows * h + j), &d[static_cast<size_t>(2 * b + h)], 4);
-        std::memcpy(t + 128 + 4 * (kQRows * h + j), &m[static_cast<size_t>(2 * b + h)], 4);
-        if (m[static_cast<size_t>(2 * b + h)] != 0.f) integer_ok_ = false;  // the integer kernel has no minimum term
+        if (m[static_cast<size_t>(2 * b + h)] != 0.f) {  // Q6_K, the one type held in i6f, has none
+          throw KernelArgumentError(std::string(qtype_name(qtype_)) + ": i6f tiles hold no minimum");
+        }
       }
-      const int8_t* src = qs.data() + b * kQBlock;
-      for (int c = 0; c < 8; ++c) std::memcpy(t + 256 + 64 * c + 4 * j, src + 4 * c, 4);
+      for (int e = 0; e < kQBlock; ++e) {
+        const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)] + 32);
+        const int p = (e & 15) >> 2, half = e >> 4, at = 4 * j + (e & 3);
+        t[kI6FNibbles + 64 * p + at] = static_cast<uint8_t>(t[kI6FNibbles + 64 * p + at] | (v & 0x0Fu) << (4 * half));
+        uint8_t& hi = t[kI6FHigh + 64 * (p >> 1) + at];
+        hi = static_cast<uint8_t>(hi | (v >> 4) << (4 * (p & 1) + 2 * half));
+      }
     }
   }
 }
@@ -263,13 +270,11 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
       }
       continue;
     }
-    if (format_ == TileFormat::kI8F) {
+    if (format_ == TileFormat::kI6F) {
       for (int e = 0; e < kQBlock; ++e) {
-        float d, m;
+        float d;
         std::memcpy(&d, t + 4 * (kQRows * (e / 16) + j), 4);
-        std::memcpy(&m, t + 128 + 4 * (kQRows * (e / 16) + j), 4);
-        const float prod = d * static_cast<float>(static_cast<int8_t>(t[256 + 64 * (e / 4) + 4 * j + e % 4]));
-        dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
+        dst[e] = d * static_cast<float>(i6f_quant(t, static_cast<int>(j), e));  // exact (gguf_types.h)
       }
       continue;
     }
@@ -357,9 +362,8 @@ void QuantizedWeight::linear_raw(const void* x, DType dtype, int64_t m, void* ou
                                  int num_threads, const QuantKernelTable& kernels) const {
   if (!integer_ok_) {
     throw KernelArgumentError(std::string("linear (int8 activations) cannot run this ") + qtype_name(qtype_) +
-                              (dense_format(format_) ? " weight: its tiles hold unquantised values"
-                                                     : " weight: its tiles hold minima per 16 elements") +
-                              ", which the integer kernels do not take; use linear_f32");
+                              " weight: its tiles hold unquantised values, which the integer kernels do not "
+                              "take; use linear_f32");
   }
   if (m <= 0) return;
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows;
