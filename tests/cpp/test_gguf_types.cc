@@ -118,7 +118,7 @@ TEST(GGUFTypes, NamesSizesAndFormats) {
   EXPECT_EQ(tile_format_of(QType::kQ6_K), TileFormat::kI6F);
   EXPECT_EQ(tile_format_of(QType::kQ5_0), TileFormat::kQ8_0);
   EXPECT_EQ(tile_format_of(QType::kQ4_0), TileFormat::kQ4_1);
-  EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU4F);
+  EXPECT_EQ(tile_format_of(QType::kQ4_K), TileFormat::kU4K);
   EXPECT_EQ(tile_format_of(QType::kQ5_K), TileFormat::kU5F);
   EXPECT_EQ(tile_format_of(QType::kQ5_1), TileFormat::kU5F);
   EXPECT_THROW(parse_qtype("q3_k"), KernelArgumentError);
@@ -297,7 +297,7 @@ TEST(GGUFTypes, BadShapesRaise) {
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 128), KernelArgumentError);
   EXPECT_THROW(QuantizedWeight(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q5_k", 2, 256), KernelArgumentError);
   QuantizedWeight w(arg(raw, {2, 144}, DType::kUInt8, "raw"), "q4_k", 2, 256);
-  EXPECT_EQ(w.nbytes(), 8 * kU4FTileBytes);  // one row group of 16 rows, 256 / 32 = 8 u4f tiles
+  EXPECT_EQ(w.nbytes(), 8 * kU4KTileBytes + kU4KSuperBytes);  // one row group: 8 u4k tiles, one super-block
   EXPECT_TRUE(w.integer_kernels());  // every GGUF type runs with int8 activations too
   std::vector<float> x(256, 1.f), out(3);
   EXPECT_THROW(w.linear(arg(x, {1, 256}, DType::kFloat32, "x"), arg(out, {1, 3}, DType::kFloat32, "out"), nullptr, 1),

@@ -1,5 +1,5 @@
 // GGUF block types (gguf_types.h, quant_linear.h): names, sizes and the exact
-// decoding of the types kept as u4f / u5f / i6f tiles. Built with -ffp-contract=off (the
+// decoding of the types kept as u4k / u5f / i6f tiles. Built with -ffp-contract=off (the
 // products are written out; none may fuse with a later add).
 #include "backends/cpu/gemm/gguf_types.h"
 
@@ -167,7 +167,7 @@ TileFormat tile_format_of(QType q) {
     case QType::kQ8_0: return TileFormat::kQ8_0;
     case QType::kQ4_0: return TileFormat::kQ4_1;  // as_stored_blocks: m = -8 d (kQ8_0 where that is no float16)
     case QType::kQ5_0: return TileFormat::kQ8_0;  // as_stored_blocks: q - 16 as a byte
-    case QType::kQ4_K: return TileFormat::kU4F;  // 0..15 with a minimum
+    case QType::kQ4_K: return TileFormat::kU4K;  // 0..15, 6-bit scales and minima of fp16 ones
     case QType::kQ5_1:
     case QType::kQ5_K: return TileFormat::kU5F;  // 0..31 with a minimum
     case QType::kQ6_K: return TileFormat::kI6F;  // q - 32 (6 bits), a scale per 16 elements
@@ -203,6 +203,17 @@ QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst
     std::memcpy(o + 2, qs, 32);
   }
   return QType::kQ8_0;
+}
+
+void q4_k_scales(const uint8_t* block, float* d, float* dmin, uint8_t* sc, uint8_t* mn) {
+  *d = fp16_at(block);
+  *dmin = fp16_at(block + 2);
+  for (int s = 0; s < 8; ++s) {
+    int a, b;
+    scale_min_k4(block + 4, s, &a, &b);
+    sc[s] = static_cast<uint8_t>(a);
+    mn[s] = static_cast<uint8_t>(b);
+  }
 }
 
 void decode_row(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m) {

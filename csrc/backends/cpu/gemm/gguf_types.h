@@ -3,7 +3,7 @@
 // decoding of a row of blocks into int8 quants with, per 16 elements, a
 // float32 scale d and minimum m, w = d * q + m equal bit for bit to gguf-py's
 // de-quantised value (ggml's block formats; our own code). QuantizedWeight
-// packs that into u5f, u4f or i6f tiles, and runs Q4_0 / Q5_0 on the Q4_1 / Q8_0
+// packs that into u5f, u4k or i6f tiles, and runs Q4_0 / Q5_0 on the Q4_1 / Q8_0
 // tiles after as_stored_blocks.
 #pragma once
 
@@ -24,6 +24,11 @@ namespace cpu {
 // and d * q (at most 23 bits) too, so one rounding of d * q + m equals numpy's
 // round(d * q + m) or round(d * q - dm); -0.0 keeps d * q's sign of zero.
 void decode_row(QType q, const uint8_t* row, int64_t k, int8_t* qs, float* d, float* m);
+
+// One Q4_K block's scales as stored: the fp16 d and dmin widened, and the
+// eight 6-bit scale / minimum pairs of its 32-element sub-blocks (sc[8],
+// mn[8], 0..63); its element i of sub-block s is d * sc[s] * q - dmin * mn[s].
+void q4_k_scales(const uint8_t* block, float* d, float* dmin, uint8_t* sc, uint8_t* mn);
 
 // Rewrites `blocks` Q4_0 or Q5_0 blocks (src) as blocks of a type with its own
 // tiles holding exactly the same values, into dst, and returns that type:

@@ -27,9 +27,15 @@
 //         (q4_1's nibble order), uint32 qh[16] (bit e of row j's word: bit 4
 //         of element e). Element e of row j is d * v + m, v = its nibble | its
 //         qh bit << 4 (0..31);
-//   u4f tile (384 bytes): u5f's without qh: element e of row j is d * q + m,
-//         q its nibble (0..15);
-//   i6f tile (512 bytes): float d[2][16], then u4f's nibbles uint8
+//   u4k tile (288 bytes): uint8 sc[16], uint8 mn[16] (row j's 6-bit scale
+//         and minimum of the block, Q4_K's), then uint8 qs[4][16][4] (q4_1's
+//         nibble order). After all the tiles, per row group g and 256-element
+//         super-block s of K, float d[16] and float nm[16] (row j's fp16 d and
+//         -dmin widened): 128 bytes at u4k_super(w, n, k, g, 32 s). Element
+//         e of row j is (d sc) q + (nm mn), q its nibble (0..15), both
+//         products exact: 0.59 bytes a weight, against the 0.5625 of the Q4_K
+//         blocks (until 2026-12-07 u4f: the products as float32, 0.75);
+//   i6f tile (512 bytes): float d[2][16], then q4_1's nibble order uint8
 //         qs[4][16][4] (the low 4 bits of v), then uint8 qh[2][16][4]: byte
 //         qh[s][j][b] holds the 2 high bits of v for elements 4p+b (bits
 //         4(p-2s) .. +1) and 16+4p+b (bits 4(p-2s)+2 .. +3) of row j, p = 2s and
@@ -43,7 +49,7 @@
 //         checkpoint's own weights) for gemm_f32 only: no scales, no integer kernel.
 // The other GGUF block types are repacked exactly (gguf_types.h): Q4_0 (q - 8)
 // into q4_1 (m = -8 d; q8_0 where that is no float16) and Q5_0 (q - 16) into
-// q8_0, Q4_K into u4f, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
+// q8_0, Q4_K into u4k, Q5_1 and Q5_K into u5f, Q6_K (q - 32,
 // a scale per 16 elements) into i6f; their scales as the float32 products
 // gguf-py computes (Q4_K / Q5_K d * sc and -(dmin * m), Q6_K d * sc; gguf-py's
 // minimum for Q6_K is -0.0, so its d * q + m is d * q bit for bit).
@@ -63,18 +69,20 @@ constexpr int kQ41TileBytes = 320; // 16 rows x (fp16 d + fp16 m + 16 nibble byt
 constexpr int kQ80TileBytes = 544; // 16 rows x (fp16 d + 32 int8)
 constexpr int kI6FTileBytes = 512; // 16 rows x (2 float d + 16 nibble bytes + 8 bytes of 2-bit fields)
 constexpr int k5FTileBytes = 448;  // 16 rows x (float d + float m + 16 nibble bytes + uint32 high bits)
-constexpr int kU4FTileBytes = 384; // 16 rows x (float d + float m + 16 nibble bytes)
+constexpr int kU4KTileBytes = 288; // 16 rows x (6-bit scale and minimum as bytes + 16 nibble bytes)
+constexpr int kU4KNibbles = 32;    // byte offset of an u4k tile's nibbles
+constexpr int kU4KSuperBytes = 128; // a row group's super-block scales: float d[16], nm[16]
 constexpr int kI6FNibbles = 128;   // byte offsets in an i6f tile: the nibbles, then the 2-bit fields
 constexpr int kI6FHigh = 384;
 constexpr int kF32TileBytes = 2048; // 16 rows x 32 float
 constexpr int kF16TileBytes = 1024; // 16 rows x 32 half or bfloat16 (f16 and bf16 tiles)
 
 // The tile formats the kernels read (above). q4_1 and q8_0 hold those GGUF
-// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4f, u5f and i6f hold
+// types' blocks as stored (and Q4_0's, Q5_0's rewritten); u4k, u5f and i6f hold
 // the other quantised types; f32, f16 and bf16 unquantised weights (gemm_f32 only).
-enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4F, kI6F, kF32, kF16, kBF16 };
+enum class TileFormat { kQ4_1, kQ8_0, kU5F, kU4K, kI6F, kF32, kF16, kBF16 };
 
-// These three have internal linkage (an unnamed namespace), so even a run-time
+// These have internal linkage (an unnamed namespace), so even a run-time
 // call from a per-ISA kernel object emits no weak symbol another object's
 // caller could bind to.
 namespace {
@@ -82,7 +90,7 @@ namespace {
 // Bytes of one tile of format f (the layouts above).
 constexpr int tile_bytes(TileFormat f) {
   return f == TileFormat::kQ4_1 ? kQ41TileBytes : f == TileFormat::kQ8_0 ? kQ80TileBytes
-         : f == TileFormat::kI6F ? kI6FTileBytes : f == TileFormat::kU4F ? kU4FTileBytes
+         : f == TileFormat::kI6F ? kI6FTileBytes : f == TileFormat::kU4K ? kU4KTileBytes
          : f == TileFormat::kU5F ? k5FTileBytes : f == TileFormat::kF32 ? kF32TileBytes : kF16TileBytes;
 }
 
@@ -90,6 +98,13 @@ constexpr int tile_bytes(TileFormat f) {
 // of row j at 16 e + j, no scales; gemm_f32 only.
 constexpr bool dense_format(TileFormat f) {
   return f == TileFormat::kF32 || f == TileFormat::kF16 || f == TileFormat::kBF16;
+}
+
+// The super-block scales (float d[16], then nm[16]) of row group g at 32-block b in the u4k weight at w ([n, k]:
+// the tiles of every group, then these, K / 256 per group).
+inline const float* u4k_super(const uint8_t* w, int64_t n, int64_t k, int64_t g, int64_t b) {
+  const int64_t groups = (n + kQRows - 1) / kQRows, nb = k / kQBlock;
+  return reinterpret_cast<const float*>(w + groups * nb * kU4KTileBytes + (g * (nb / 8) + b / 8) * kU4KSuperBytes);
 }
 
 // The quant (v - 32, in -32 .. 31) of element e (0..31) of row j (0..15) in the i6f tile at t (the layout above).
@@ -135,7 +150,7 @@ constexpr int kF32Rows = 12;
 
 // One gemm_f32 call: out [M, N] float32 (row stride ldo) = x . W^T (+ bias [N]
 // float32, or nullptr), W the exactly dequantised weights (gguf-py's float32
-// values: Q4_1 d * q + m, Q8_0 d * q, u5f / u4f d * q + m, i6f d * (v - 32); f32 / f16 /
+// values: Q4_1 d * q + m, Q8_0 d * q, u5f d * q + m, u4k (d sc) q + nm mn, i6f d * (v - 32); f32 / f16 /
 // bf16 the stored values widened), accumulated in float32 along k in
 // order (one fused multiply-add per k, the SIMD variants; the scalar one rounds
 // the product and the sum separately).

@@ -7,7 +7,7 @@
 // with ones (i16 pairs -> i32); Q4_1 sums eight vpmaddubsw results in i16 first
 // (each at most 2 * 15 * 127, eight of them below 32767); Q8_0 would saturate
 // i16 as q + 128, so it uses the |w| / sign(x, w) form instead. 4 activation
-// rows share each unpacked weight tile per pass. The decoded tiles (u4f, u5f,
+// rows share each unpacked weight tile per pass. The decoded tiles (u4k, u5f,
 // i6f) run the integer kernel of kernels_simd.h; gemm_f32 (the exact float32
 // GEMM) is described at its section.
 //
@@ -238,7 +238,7 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
     const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t + 2 * kQRows * e + 16 * h));
     if constexpr (Q == TileFormat::kF16) return _mm256_cvtph_ps(v);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));  // bfloat16: exact
-  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
+  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4K) {
     // The 32-bit lane of row j holds elements 4p .. 4p+3 (low nibbles) and 16 + 4p .. (high) in its bytes: one
     // mask (and a shift for the high ones) gives four elements' bytes, the same expression for the four e that
     // share it (the unrolled callers compute it once), and a byte shuffle zero-extends the one wanted, in place
@@ -290,10 +290,11 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
 }
 
 // The scales of rows 8 h .. 8 h + 7 for expand8: d (Q8_0, i6f: d * 2^-24) and
-// m (Q4_1, u5f, u4f; else zero); eh: which 16 elements of the
-// block (i6f's scales change there).
+// m (Q4_1, u5f, u4k; else zero); eh: which 16 elements of the
+// block (i6f's scales change there); super: u4k's super-block scales (super_scales).
 template <TileFormat Q>
-inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0) {
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, __m256* d, __m256* m, int eh = 0,
+                                                       const float* super = nullptr) {
   if constexpr (dense_format(Q)) {  // no scales
     (void)t;
     (void)h;
@@ -304,6 +305,11 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, 
   if constexpr (float_scales<Q>()) {
     *d = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);
     *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
+    return;
+  }
+  if constexpr (Q == TileFormat::kU4K) {  // d sc and nm mn, both exact
+    *d = _mm256_mul_ps(_mm256_loadu_ps(super + 8 * h), bytes_to_floats(t + 8 * h));
+    *m = _mm256_mul_ps(_mm256_loadu_ps(super + kQRows + 8 * h), bytes_to_floats(t + kQRows + 8 * h));
     return;
   }
   if constexpr (Q == TileFormat::kI6F) {
@@ -356,7 +362,8 @@ void f32_pass_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0, int64_t i
       pf += kTile;
     }
     __m256 d[2], m[2];
-    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+    const float* super = super_scales<Q>(a, g, b);
+    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h], 0, super);
     const int64_t kb = b * kQBlock;
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
@@ -409,7 +416,8 @@ void f32_pass_direct_pair(const QuantF32GemmArgs& a, int64_t g, int64_t r) {
     }
     __m256 d[2][2], m[2][2];
     for (int p = 0; p < 2; ++p) {
-      for (int h = 0; h < 2; ++h) tile_scales<Q>(t[p], h, &d[p][h], &m[p][h]);
+      const float* super = super_scales<Q>(a, g + p, b);
+      for (int h = 0; h < 2; ++h) tile_scales<Q>(t[p], h, &d[p][h], &m[p][h], 0, super);
     }
     const float* xb = xr + b * kQBlock;
 #pragma GCC unroll 32
@@ -485,7 +493,8 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, float* ws) {
   const uint8_t* t = a.w + g * nb * kTile;
   for (int64_t b = 0; b < nb; ++b, t += kTile, ws += kQBlock * 16) {
     __m256 d[2], m[2];
-    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h]);
+    const float* super = super_scales<Q>(a, g, b);
+    for (int h = 0; h < 2; ++h) tile_scales<Q>(t, h, &d[h], &m[h], 0, super);
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
       if (half_scales<Q>() && e == kQBlock / 2) {

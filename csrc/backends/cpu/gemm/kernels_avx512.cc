@@ -6,7 +6,7 @@
 // Weights are unsigned operands: Q4_1 nibbles as they are (0..15), Q8_0 as
 // q + 128 (xor 0x80) with -128 * sum(xq) as the accumulator's start value.
 // Several activation rows reuse each unpacked weight tile in registers (8 per
-// pass). The decoded tiles (u4f, u5f, i6f) run the 256-bit integer kernel of
+// pass). The decoded tiles (u4k, u5f, i6f) run the 256-bit integer kernel of
 // kernels_simd.h; gemm_f32 (the exact float32 GEMM) is described at its section.
 //
 // Everything but the table getter has internal linkage and no standard-library
@@ -225,7 +225,7 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + 2 * kQRows * e));
     if constexpr (Q == TileFormat::kF16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));  // bfloat16: exact
-  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4F) {
+  } else if constexpr (Q == TileFormat::kQ4_1 || Q == TileFormat::kU4K) {
     const int p = (e & 15) >> 2, shift = 8 * (e & 3) + (e < 16 ? 0 : 4);
     const __m512i raw = _mm512_loadu_si512(t + nibbles_at<Q>() + 64 * p);
     const __m512i idx = shift == 0 ? raw : _mm512_srli_epi32(raw, shift);
@@ -270,10 +270,11 @@ inline __attribute__((always_inline)) __m512 expand16(const uint8_t* t, int e, _
 }
 
 // The tile's scales for expand16: d (Q8_0, i6f: d * 2^-24) and m (Q4_1, u5f,
-// u4f; else zero); eh: which 16 elements of the block (i6f's
-// scales change there).
+// u4k; else zero); eh: which 16 elements of the block (i6f's
+// scales change there); super: u4k's super-block scales (super_scales).
 template <TileFormat Q>
-inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0) {
+inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512* d, __m512* m, int eh = 0,
+                                                       const float* super = nullptr) {
   if constexpr (dense_format(Q)) {  // no scales
     (void)t;
     (void)eh;
@@ -283,6 +284,14 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512*
   if constexpr (float_scales<Q>()) {
     *d = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
     *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
+    return;
+  }
+  if constexpr (Q == TileFormat::kU4K) {  // d sc and nm mn, both exact
+    const auto bytes = [](const uint8_t* p) {
+      return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    };
+    *d = _mm512_mul_ps(_mm512_loadu_ps(super), bytes(t));
+    *m = _mm512_mul_ps(_mm512_loadu_ps(super + kQRows), bytes(t + kQRows));
     return;
   }
   if constexpr (Q == TileFormat::kI6F) {
@@ -345,7 +354,7 @@ void f32_direct(const QuantF32GemmArgs& a, int64_t g, int64_t t0) {
   for (int64_t b = 0; b < nb; ++b, t += kTile) {
     prefetch_tiles<Q, G>(a, g + 2 * G, groups, b);
     __m512 d[G], m[G];
-    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 0, super_scales<Q>(a, g + gi, b));
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
       if (half_scales<Q>() && e == kQBlock / 2) {
@@ -375,7 +384,7 @@ void f32_expand(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b1, fl
   for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
     prefetch_tiles<Q, G>(a, g + G, groups, b);
     __m512 d[G], m[G];
-    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 0, super_scales<Q>(a, g + gi, b));
 #pragma GCC unroll 32
     for (int e = 0; e < kQBlock; ++e) {
       if (half_scales<Q>() && e == kQBlock / 2) {
@@ -463,7 +472,7 @@ void f32_expand_tile(const QuantF32GemmArgs& a, int64_t g, int64_t b0, int64_t b
   for (int64_t b = b0; b < b1; ++b, t += kTile, ws += kQBlock * 16 * G) {
     prefetch_tiles<Q, G>(a, g + G, groups, b);
     __m512 d[G], m[G];
-    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi]);
+    for (int gi = 0; gi < G; ++gi) tile_scales<Q>(t + gi * gstride, &d[gi], &m[gi], 0, super_scales<Q>(a, g + gi, b));
     const int64_t kb = (b - b0) * kQBlock;
 #pragma GCC unroll 4
     for (int e = 0; e < kQBlock; ++e) {

@@ -80,7 +80,7 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
 // (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
-// u5f / u4f / i6f: d * q is exact by construction (gguf_types.h: at most 23 significant
+// u5f / u4k / i6f: d * q is exact by construction (gguf_types.h: at most 23 significant
 // bits for every type), d * 2^-24 stays normal for every d the repacking
 // makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's
 // d * q + m (or d * q - dm) does after its exact product; i6f's v - 32 is
@@ -100,17 +100,31 @@ template <TileFormat Q>
 constexpr bool five_bit() {
   return Q == TileFormat::kU5F;
 }
-// The formats whose tiles hold float32 d[16] at 0 and m[16] at 64 (u5f, u4f).
+// The formats whose tiles hold float32 d[16] at 0 and m[16] at 64 (u5f).
 template <TileFormat Q>
 constexpr bool float_scales() {
-  return Q == TileFormat::kU5F || Q == TileFormat::kU4F;
+  return Q == TileFormat::kU5F;
 }
 constexpr int k5FNibbles = 128;
 constexpr int k5FHigh = 384;
-// Byte offset of the nibbles (q4_1's order) in a tile of the 4-bit formats (q4_1, u4f).
+// Byte offset of the nibbles (q4_1's order) in a tile of the 4-bit formats (q4_1, u4k).
 template <TileFormat Q>
 constexpr int nibbles_at() {
-  return Q == TileFormat::kQ4_1 ? 64 : k5FNibbles;
+  return Q == TileFormat::kQ4_1 ? 64 : Q == TileFormat::kU4K ? kU4KNibbles : k5FNibbles;
+}
+
+// u4k's super-block scales for row group g at block b (kernel_table.h), or nullptr for the other formats;
+// Args: QuantGemmArgs or QuantF32GemmArgs.
+template <TileFormat Q, typename Args>
+inline const float* super_scales(const Args& a, int64_t g, int64_t b) {
+  if constexpr (Q == TileFormat::kU4K) {
+    return u4k_super(a.w, a.n, a.k, g, b);
+  } else {
+    (void)a;
+    (void)g;
+    (void)b;
+    return nullptr;
+  }
 }
 
 // Whether a format's scales change at element 16 of a block (i6f: one d per

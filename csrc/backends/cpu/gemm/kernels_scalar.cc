@@ -60,6 +60,22 @@ void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0,
 
 // ---- scalar: the reference integer math, one row at a time ----
 
+// Row j's scale d and minimum m of block b of row group g in a u5f weight (stored) or a u4k one (formed: both
+// products exact, kernel_table.h); Args: QuantGemmArgs or QuantF32GemmArgs.
+template <typename Args>
+void u5f_or_u4k_scales(const Args& a, int64_t g, int64_t b, int j, float* d, float* m) {
+  if (a.format == TileFormat::kU5F) {
+    const uint8_t* t = a.w + (g * (a.k / kQBlock) + b) * k5FTileBytes;
+    memcpy(d, t + 4 * j, 4);
+    memcpy(m, t + 64 + 4 * j, 4);
+    return;
+  }
+  const uint8_t* t = a.w + (g * (a.k / kQBlock) + b) * kU4KTileBytes;
+  const float* super = u4k_super(a.w, a.n, a.k, g, b);
+  *d = super[j] * static_cast<float>(t[j]);
+  *m = super[kQRows + j] * static_cast<float>(t[kQRows + j]);
+}
+
 void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
   const int64_t nb = a.k / kQBlock;
   float acc[kQRows];
@@ -93,21 +109,21 @@ void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {
         const float d = half_to_float(load_u16(t + 2 * j));
         acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
       }
-    } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4F) {
+    } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4K) {
       const bool five = a.format == TileFormat::kU5F;
-      const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4FTileBytes);
+      const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4KTileBytes);
+      const int nibbles = five ? k5FNibbles : kU4KNibbles;
       for (int j = 0; j < kQRows; ++j) {
         uint32_t qh = 0;
         if (five) memcpy(&qh, t + k5FHigh + 4 * j, 4);
         int32_t isum = 0;
         for (int e = 0; e < kQBlock; ++e) {
-          const uint8_t qs = t[k5FNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+          const uint8_t qs = t[nibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
           const int v = (e < 16 ? qs & 0x0F : qs >> 4) | static_cast<int>((qh >> e) & 1u) << 4;
           isum += v * xq[e];
         }
         float d, m;
-        memcpy(&d, t + 4 * j, 4);
-        memcpy(&m, t + 64 + 4 * j, 4);
+        u5f_or_u4k_scales(a, g, b, j, &d, &m);
         acc[j] = acc[j] + static_cast<float>(isum) * (d * xd);
         acc[j] = acc[j] + m * xs;
       }
@@ -162,18 +178,17 @@ void expand_scalar(const QuantF32GemmArgs& a, int64_t g, int64_t b, int e, float
       const int8_t q = static_cast<int8_t>(t[32 + 64 * (e >> 2) + 4 * j + (e & 3)]);
       w[j] = half_to_float(load_u16(t + 2 * j)) * static_cast<float>(q);
     }
-  } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4F) {
+  } else if (a.format == TileFormat::kU5F || a.format == TileFormat::kU4K) {
     const bool five = a.format == TileFormat::kU5F;
-    const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4FTileBytes);
+    const uint8_t* t = a.w + (g * nb + b) * (five ? k5FTileBytes : kU4KTileBytes);
     const int p = (e & 15) >> 2, byte = e & 3;
     for (int j = 0; j < kQRows; ++j) {
-      const uint8_t qs = t[k5FNibbles + 64 * p + 4 * j + byte];
+      const uint8_t qs = t[(five ? k5FNibbles : kU4KNibbles) + 64 * p + 4 * j + byte];
       uint32_t qh = 0;
       if (five) memcpy(&qh, t + k5FHigh + 4 * j, 4);
       int v = (e < 16 ? qs & 0x0F : qs >> 4) | static_cast<int>((qh >> e) & 1u) << 4;
       float d, m;
-      memcpy(&d, t + 4 * j, 4);
-      memcpy(&m, t + 64 + 4 * j, 4);
+      u5f_or_u4k_scales(a, g, b, j, &d, &m);
       const float prod = d * static_cast<float>(v);
       w[j] = prod + m;
     }

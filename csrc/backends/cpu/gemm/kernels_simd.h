@@ -65,16 +65,17 @@ void quantize_rows(const void* x, DType dtype, int64_t k, int64_t m, int64_t r0,
   }
 }
 
-// ---- the integer GEMM of the decoded tiles (u4f, u5f, i6f): every SIMD variant ----
+// ---- the integer GEMM of the decoded tiles (u4k, u5f, i6f): every SIMD variant ----
 //
 // 8 output rows per ymm (half a row group), up to 4 activation rows a pass,
 // in AVX2 instructions only (the AVX2 variant's vpmaddubsw + vpmaddwd forms),
 // so the VNNI variants run the very sequence the AVX2 variant runs (and its
 // tests check on any AVX2 CPU); a vpdpbusd form for them is left for later.
-//   u4f / u5f: unsigned quants (0..15 / 0..31; the high bit of element e is
+//   u4k / u5f: unsigned quants (0..15 / 0..31; the high bit of element e is
 //     bit e of the row's qh word, spread to bit 4 of its byte by a multiply),
 //     four vpmaddubsw per i16 partial sum (each at most 2 * 31 * 127, four
-//     below 32767), then per block, d and m float32:
+//     below 32767), then per block, d and m float32 (u4k: formed from its
+//     bytes and the super-block scales, exactly):
 //       acc = fma(isum, d * xd, acc); acc = fma(m, xs, acc)
 //   i6f: the nibble and the 2-bit field joined, - 32, then signed as the
 //     AVX2 Q8_0 form (|q| times sign(xq, q)), one integer sum per 16
@@ -88,6 +89,11 @@ inline __m256i bcast_dword(const int8_t* p) {
   int32_t v;
   memcpy(&v, p, sizeof v);
   return _mm256_set1_epi32(v);
+}
+
+// The 8 bytes at p (u4k's 6-bit scales or minima of 8 rows) as floats.
+inline __m256 bytes_to_floats(const uint8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Per dword lane: bit 4 of byte b = bit b of the lane's low 4 bits (v * 0x00204081 places copies of those 4
@@ -158,7 +164,7 @@ void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uin
       __m256i s[R], p16[R];
       for (int half = 0; half < 2; ++half) {  // elements 16 half + 4 p + b: the low (0) or high (1) nibbles
         for (int p = 0; p < 4; ++p) {
-          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + k5FNibbles + 64 * p + 32 * h));
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + nibbles_at<Q>() + 64 * p + 32 * h));
           __m256i w = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), low);
           if constexpr (five_bit<Q>()) w = _mm256_or_si256(w, high_bits_to_bytes(_mm256_srli_epi32(qh, 16 * half + 4 * p)));
           for (int i = 0; i < R; ++i) {
@@ -171,8 +177,15 @@ void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uin
           s[i] = half == 0 ? v : _mm256_add_epi32(s[i], v);
         }
       }
-      const __m256 dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);       // float d[16] at 0
-      const __m256 mv = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);  // float m[16] at 64
+      __m256 dv, mv;
+      if constexpr (Q == TileFormat::kU4K) {  // d sc and nm mn, both exact (kernel_table.h)
+        const float* super = u4k_super(a.w, a.n, a.k, g, b);
+        dv = _mm256_mul_ps(_mm256_loadu_ps(super + 8 * h), bytes_to_floats(t + 8 * h));
+        mv = _mm256_mul_ps(_mm256_loadu_ps(super + kQRows + 8 * h), bytes_to_floats(t + kQRows + 8 * h));
+      } else {
+        dv = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);       // float d[16] at 0
+        mv = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);  // float m[16] at 64
+      }
       for (int i = 0; i < R; ++i) {
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), _mm256_mul_ps(dv, _mm256_set1_ps(xd[i])), acc[i]);
         acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xs[i]), acc[i]);
@@ -213,7 +226,7 @@ void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, in
 // The SIMD variants' gemm for the decoded tiles; false for q4_1 / q8_0 (the variant's own kernels).
 inline bool gemm_of_decoded_tiles(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   switch (a.format) {
-    case TileFormat::kU4F: gemm_decoded<TileFormat::kU4F>(a, g0, g1, m0, m1); return true;
+    case TileFormat::kU4K: gemm_decoded<TileFormat::kU4K>(a, g0, g1, m0, m1); return true;
     case TileFormat::kU5F: gemm_decoded<TileFormat::kU5F>(a, g0, g1, m0, m1); return true;
     case TileFormat::kI6F: gemm_decoded<TileFormat::kI6F>(a, g0, g1, m0, m1); return true;
     default: return false;
@@ -259,7 +272,7 @@ void gemm_f32(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
     case TileFormat::kQ4_1: gemm_f32_typed<TileFormat::kQ4_1>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kQ8_0: gemm_f32_typed<TileFormat::kQ8_0>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kU5F: gemm_f32_typed<TileFormat::kU5F>(a, g0, g1, m0, m1, scratch); break;
-    case TileFormat::kU4F: gemm_f32_typed<TileFormat::kU4F>(a, g0, g1, m0, m1, scratch); break;
+    case TileFormat::kU4K: gemm_f32_typed<TileFormat::kU4K>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kI6F: gemm_f32_typed<TileFormat::kI6F>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kF32: gemm_f32_typed<TileFormat::kF32>(a, g0, g1, m0, m1, scratch); break;
     case TileFormat::kF16: gemm_f32_typed<TileFormat::kF16>(a, g0, g1, m0, m1, scratch); break;

@@ -1,5 +1,5 @@
 // QuantizedWeight: GGUF weights repacked into the tiles of gemm/kernel_table.h
-// (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4f / i6f by
+// (Q4_1 / Q8_0 as they are, Q4_0 / Q5_0 rewritten as those, the other types decoded into u5f / u4k / i6f by
 // gguf_types.cc), dequantisation and
 // the threaded linear (quant_linear.h). Built with -ffp-contract=off (the
 // dequantisation must round d * q and + m separately, as numpy does).
@@ -153,7 +153,7 @@ QuantizedWeight::QuantizedWeight(const uint8_t* raw, QType qtype, int64_t out_fe
   }
   const int64_t nb = k_ / kQBlock, groups = (n_ + kQRows - 1) / kQRows, tb = tile_bytes(format_);
   const int64_t bb = qtype_block_bytes(stored_type);
-  nbytes_ = groups * nb * tb;
+  nbytes_ = groups * nb * tb + (format_ == TileFormat::kU4K ? groups * (nb / 8) * kU4KSuperBytes : 0);
   // every decode step streams all tiles of a model: huge pages spare the TLB misses (huge_pages.h)
   tiles_.reset(static_cast<uint8_t*>(huge_page_alloc(static_cast<size_t>(nbytes_))));
   uint8_t* tiles = tiles_.get();
@@ -209,7 +209,25 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
     const int64_t g = row / kQRows, j = row % kQRows;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-      if (format_ != TileFormat::kI6F) {  // u5f / u4f: one scale per 32 (both halves' are equal), 5 / 4 bits a quant
+      if (format_ == TileFormat::kU4K) {  // Q4_K: its 6-bit scale and minimum, the nibbles; per 256 its d and -dmin
+        float sd, sdmin;
+        uint8_t sc[8], mn[8];
+        q4_k_scales(raw + row * row_bytes + (b / 8) * qtype_block_bytes(qtype_), &sd, &sdmin, sc, mn);
+        t[j] = sc[b % 8];
+        t[kQRows + j] = mn[b % 8];
+        for (int e = 0; e < kQBlock; ++e) {
+          const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)]) & 0x0Fu;
+          uint8_t& byte = t[kU4KNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+          byte = static_cast<uint8_t>(byte | (v << (e < 16 ? 0 : 4)));
+        }
+        if (b % 8 == 0) {
+          float* super = const_cast<float*>(u4k_super(tiles_.get(), n_, k_, g, b));
+          super[j] = sd;
+          super[kQRows + j] = -sdmin;
+        }
+        continue;
+      }
+      if (format_ == TileFormat::kU5F) {  // one scale per 32 (both halves' are equal), 5 bits a quant
         std::memcpy(t + 4 * j, &d[static_cast<size_t>(2 * b)], 4);
         std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
         uint32_t high = 0;
@@ -219,7 +237,7 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
           byte = static_cast<uint8_t>(byte | ((v & 0x0Fu) << (e < 16 ? 0 : 4)));
           high |= (v >> 4) << e;
         }
-        if (format_ == TileFormat::kU5F) std::memcpy(t + 384 + 4 * j, &high, 4);
+        std::memcpy(t + 384 + 4 * j, &high, 4);
         continue;
       }
       // i6f: a scale per 16 elements, v = q + 32 in 0..63 as a nibble and a 2-bit field (kernel_table.h)
@@ -256,12 +274,22 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
       }
       continue;
     }
-    if (format_ == TileFormat::kU5F || format_ == TileFormat::kU4F) {
+    if (format_ == TileFormat::kU4K) {
+      const float* super = u4k_super(tiles_.get(), n_, k_, g, b);
+      const float d = super[j] * static_cast<float>(t[j]), m = super[kQRows + j] * static_cast<float>(t[kQRows + j]);
+      for (int e = 0; e < kQBlock; ++e) {  // both products exact (kernel_table.h)
+        const uint8_t byte = t[kU4KNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+        const float prod = d * static_cast<float>(e < 16 ? byte & 0x0F : byte >> 4);
+        dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
+      }
+      continue;
+    }
+    if (format_ == TileFormat::kU5F) {
       float d, m;
       uint32_t high = 0;
       std::memcpy(&d, t + 4 * j, 4);
       std::memcpy(&m, t + 64 + 4 * j, 4);
-      if (format_ == TileFormat::kU5F) std::memcpy(&high, t + 384 + 4 * j, 4);
+      std::memcpy(&high, t + 384 + 4 * j, 4);
       for (int e = 0; e < kQBlock; ++e) {
         const uint8_t byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
         const int v = (e < 16 ? byte & 0x0F : byte >> 4) | static_cast<int>((high >> e) & 1u) << 4;

@@ -54,14 +54,14 @@ int64_t qtype_block_elements(QType q);
 // The tile format a type is repacked into (gemm/kernel_table.h): Q4_1 and Q8_0 their
 // own; Q4_0 Q4_1's (Q8_0's where some -8 d is no float16: QuantizedWeight
 // decides per weight) and Q5_0 Q8_0's (gguf_types.h: as_stored_blocks); Q4_K
-// u4f; Q5_1 and Q5_K u5f; Q6_K i6f; F32, F16, BF16 their own dense tiles.
+// u4k; Q5_1 and Q5_K u5f; Q6_K i6f; F32, F16, BF16 their own dense tiles.
 TileFormat tile_format_of(QType q);
 
 // A GGUF-quantized weight matrix W [N out, K in], repacked once into the
 // interleaved 16-row tiles of gemm/kernel_table.h (aligned memory it owns; the raw
 // bytes are not kept). Q4_1 and Q8_0 keep their blocks' bytes; Q4_0 and Q5_0
 // are rewritten as Q4_1 (0.625 bytes per weight) and Q8_0 (1.0625) blocks of
-// the same values; the other types become u4f (Q4_K, 0.75 bytes per weight),
+// the same values; the other types become u4k (Q4_K, 0.59 bytes per weight),
 // u5f (Q5_1, Q5_K: 0.875) or i6f (Q6_K: 1.0) tiles of exactly the same values;
 // F32 / F16 / BF16 rows (4 / 2 / 2 bytes per weight) are reordered into dense
 // tiles as they are.
@@ -84,7 +84,7 @@ class QuantizedWeight {
   TileFormat tile_format() const { return format_; }
   int64_t out_features() const { return n_; }  // N
   int64_t in_features() const { return k_; }   // K
-  // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16).
+  // Bytes of weight storage held (the repacked tiles, N padded to a multiple of 16, and u4k's super-block scales).
   int64_t nbytes() const { return nbytes_; }
   // Whether linear (int8 activations) runs this weight: every quantised type,
   // never F32 / F16 / BF16.
@@ -174,7 +174,7 @@ class QuantizedWeight {
   void dequantize_row(int64_t row, float* dst) const;
   // gemm_f32's arguments for this weight: x [m, K] float32, out [m, N] of row stride ldo, bias [N] or nullptr.
   QuantF32GemmArgs f32_args(const float* x, int64_t m, float* out, int64_t ldo, const float* bias) const;
-  // Fills the u5f / u4f / i6f tiles from raw rows of a type gguf_types.cc decodes.
+  // Fills the u5f / u4k / i6f tiles from raw rows of a type gguf_types.cc decodes.
   void repack_decoded(const uint8_t* raw);
   // Fills the f32 / f16 / bf16 tiles from the raw row-major matrix.
   void repack_dense(const uint8_t* raw);
