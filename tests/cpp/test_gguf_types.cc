@@ -23,11 +23,13 @@
 #include "backends/cpu/gemm/quant_linear.h"
 #include "backends/cpu/runtime/isa_registry.h"
 #include "contiguous_arg.h"
+#include "greedy_check.h"
 #include "core/errors.h"
 
 using namespace pagedserve;
 using namespace pagedserve::cpu;
 using pagedserve::test_support::arg;
+using pagedserve::test_support::check_greedy_rows;
 
 namespace {
 
@@ -502,26 +504,11 @@ TEST_P(GGUFTypesVariant, GreedyLogitsOnQ6_KKeepEveryRowMaximumExactly) {
       w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
                    threads);
       greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
-      int64_t pruned = 0;
-      for (int64_t i = 0; i < m; ++i) {
-        const float* f = full.data() + i * n;
-        const int64_t first = std::max_element(f, f + n) - f;
-        for (int64_t j = 0; j < n; ++j) {
-          const int64_t at = i * n + j;
-          if (got[at] == -INFINITY && full[at] != -INFINITY) {
-            ++pruned;
-            ASSERT_LT(full[at], f[first]) << "a row maximum was dropped at [" << i << ", " << j << "]";
-          } else {
-            ASSERT_EQ(std::memcmp(&got[at], &full[at], 4), 0) << "a kept value differs at [" << i << ", " << j << "]";
-          }
-        }
-        const float* g = got.data() + i * n;
-        ASSERT_EQ(std::max_element(g, g + n) - g, first) << "row " << i;
-        if (i == 0) {
-          ASSERT_EQ(first, top) << "row 0 points at the weight row of the largest norm";
-          ASSERT_EQ(got[twin], got[top]) << "the twin row ties and is kept";
-        }
-      }
+      std::vector<int64_t> first;
+      const int64_t pruned = check_greedy_rows(full, got, m, n, &first);
+      ASSERT_FALSE(HasFailure());
+      ASSERT_EQ(first[0], top) << "row 0 points at the weight row of the largest norm";
+      ASSERT_EQ(got[twin], got[top]) << "the twin row ties and is kept";
       if (m > 1) {
         EXPECT_GT(pruned, m * n / 2) << "greedy_logits skipped too little";
       } else {

@@ -23,6 +23,7 @@
 #include "backends/cpu/gemm/quant_linear.h"
 #include "core/errors.h"
 #include "contiguous_arg.h"
+#include "greedy_check.h"
 
 using namespace pagedserve;
 using namespace pagedserve::cpu;
@@ -30,6 +31,7 @@ using namespace pagedserve::cpu;
 namespace {
 
 using pagedserve::test_support::arg;
+using pagedserve::test_support::check_greedy_rows;
 
 float half_to_float(uint16_t h) {
   const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
@@ -640,24 +642,10 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
           w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
                        threads);
           greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
-          const std::vector<uint32_t> fb = bits_of(full), gb = bits_of(got);
-          int64_t pruned = 0;
-          for (int64_t i = 0; i < m; ++i) {
-            const float* f = full.data() + i * n;
-            const int64_t first = std::max_element(f, f + n) - f;  // the first maximum, as argmax
-            for (int64_t j = 0; j < n; ++j) {
-              const int64_t at = i * n + j;
-              if (got[at] == -INFINITY && full[at] != -INFINITY) {
-                ++pruned;
-                ASSERT_LT(full[at], f[first]) << "a row maximum was dropped at [" << i << ", " << j << "]";
-              } else {
-                ASSERT_EQ(gb[at], fb[at]) << "a kept value differs at [" << i << ", " << j << "]";
-              }
-            }
-            const float* g = got.data() + i * n;
-            ASSERT_EQ(std::max_element(g, g + n) - g, first) << "row " << i;
-            if (i == 0) ASSERT_EQ(first, want) << "row 0 is not the near tie it was built to be";
-          }
+          std::vector<int64_t> first;
+          const int64_t pruned = check_greedy_rows(full, got, m, n, &first);
+          ASSERT_FALSE(HasFailure());
+          ASSERT_EQ(first[0], want) << "row 0 is not the near tie it was built to be";
           const bool expect_pruned = q == QType::kQ8_0 && m > 1;
           EXPECT_EQ(prunes_greedy_logits(w), q == QType::kQ8_0);
           if (expect_pruned) {
