@@ -12,6 +12,10 @@
 #include <cstring>
 #include <vector>
 
+#include "backends/cpu/gemm/greedy_logits.h"
+#include "backends/cpu/gemm/quant_linear.h"
+#include "contiguous_arg.h"
+
 namespace pagedserve {
 namespace test_support {
 
@@ -41,6 +45,19 @@ inline int64_t check_greedy_rows(const std::vector<float>& full, const std::vect
     (*first)[static_cast<size_t>(i)] = top;
   }
   return pruned;
+}
+
+// Runs linear_f32 and greedy_logits of w on x [m, k] (threads threads) and
+// checks greedy_logits' output as check_greedy_rows does; got: its output
+// [m, n]. Returns the pruned entries.
+inline int64_t greedy_against_full(const cpu::QuantizedWeight& w, const std::vector<float>& x, int64_t m,
+                                   int threads, std::vector<float>* got, std::vector<int64_t>* first) {
+  const int64_t n = w.out_features(), k = w.in_features();
+  std::vector<float> full(static_cast<size_t>(m * n));
+  got->assign(static_cast<size_t>(m * n), 42.f);
+  w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr, threads);
+  cpu::greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(*got, {m, n}, DType::kFloat32, "out"), threads);
+  return check_greedy_rows(full, *got, m, n, first);
 }
 
 }  // namespace test_support

@@ -29,7 +29,7 @@
 using namespace pagedserve;
 using namespace pagedserve::cpu;
 using pagedserve::test_support::arg;
-using pagedserve::test_support::check_greedy_rows;
+using pagedserve::test_support::greedy_against_full;
 
 namespace {
 
@@ -500,12 +500,9 @@ TEST_P(GGUFTypesVariant, GreedyLogitsOnQ6_KKeepEveryRowMaximumExactly) {
       for (int64_t i = 0; i < m; ++i) {
         for (int64_t e = 0; e < k; ++e) x[i * k + e] = i == 0 ? wd[top * k + e] * 8.f : nd(rng);
       }
-      std::vector<float> full(m * n), got(m * n, 42.f);
-      w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
-                   threads);
-      greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
+      std::vector<float> got;
       std::vector<int64_t> first;
-      const int64_t pruned = check_greedy_rows(full, got, m, n, &first);
+      const int64_t pruned = greedy_against_full(w, x, m, threads, &got, &first);
       ASSERT_FALSE(HasFailure());
       ASSERT_EQ(first[0], top) << "row 0 points at the weight row of the largest norm";
       ASSERT_EQ(got[twin], got[top]) << "the twin row ties and is kept";

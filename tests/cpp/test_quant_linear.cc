@@ -31,7 +31,7 @@ using namespace pagedserve::cpu;
 namespace {
 
 using pagedserve::test_support::arg;
-using pagedserve::test_support::check_greedy_rows;
+using pagedserve::test_support::greedy_against_full;
 
 float half_to_float(uint16_t h) {
   const int exp = (h >> 10) & 0x1F, man = h & 0x3FF;
@@ -638,12 +638,9 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
               x[i * k + e] = i == 0 ? x0[e] : nd(rng);  // row 0 built above, the others random
             }
           }
-          std::vector<float> full(m * n), got(m * n, 42.f);
-          w.linear_f32(arg(x, {m, k}, DType::kFloat32, "x"), arg(full, {m, n}, DType::kFloat32, "out"), nullptr,
-                       threads);
-          greedy_logits(w, arg(x, {m, k}, DType::kFloat32, "x"), arg(got, {m, n}, DType::kFloat32, "out"), threads);
+          std::vector<float> got;
           std::vector<int64_t> first;
-          const int64_t pruned = check_greedy_rows(full, got, m, n, &first);
+          const int64_t pruned = greedy_against_full(w, x, m, threads, &got, &first);
           ASSERT_FALSE(HasFailure());
           ASSERT_EQ(first[0], want) << "row 0 is not the near tie it was built to be";
           const bool expect_pruned = q == QType::kQ8_0 && m > 1;
