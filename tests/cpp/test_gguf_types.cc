@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "backends/cpu/gemm/gguf_types.h"
 #include "backends/cpu/gemm/greedy_logits.h"
 #include "backends/cpu/gemm/quant_linear.h"
 #include "backends/cpu/runtime/isa_registry.h"
@@ -290,6 +291,31 @@ TEST(GGUFTypes, Q6_KBlocksDecodeAsDefined) {
     const int lo = (b[64 * h + j % 64] >> (4 * (j / 64))) & 15, hi = (b[128 + 32 * h + j % 32] >> (2 * (j / 32))) & 3;
     const float scale = 0.125f * static_cast<float>(scales[f / 16]);
     EXPECT_EQ(d[f], scale * static_cast<float>((lo | hi << 4) - 32)) << f;
+  }
+}
+
+// The repacked tiles against the blocks' own decoding (decode_row: d[e / 16]
+// q + m[e / 16], rounded as numpy rounds it), bit for bit (the sign of zero
+// included), for the K-quants held in tiles of their own layout (Q4_K in u4k
+// with its super-block table, Q6_K in i6f) over a partial second row group
+// and two super-blocks: a misplaced scale, field or table entry shows here.
+TEST(GGUFTypes, KQuantTilesHoldEachRowsDecodedValues) {
+  std::mt19937 rng(61);
+  for (QType q : {QType::kQ4_K, QType::kQ6_K}) {
+    const int64_t n = 17, k = 512, row_bytes = k / 256 * qtype_block_bytes(q);
+    const std::vector<uint8_t> raw = random_blocks(q, n, k, rng);
+    const std::vector<float> got = dequantized(QuantizedWeight(raw.data(), q, n, k));
+    std::vector<int8_t> qs(k);
+    std::vector<float> d(k / 16), m(k / 16);
+    for (int64_t row = 0; row < n; ++row) {
+      decode_row(q, raw.data() + row * row_bytes, k, qs.data(), d.data(), m.data());
+      for (int64_t e = 0; e < k; ++e) {
+        const float prod = d[e / 16] * static_cast<float>(qs[e]);
+        const float want = prod + m[e / 16];
+        ASSERT_EQ(std::memcmp(&got[row * k + e], &want, 4), 0)
+            << qtype_name(q) << " [" << row << ", " << e << "]: " << got[row * k + e] << " vs " << want;
+      }
+    }
   }
 }
 

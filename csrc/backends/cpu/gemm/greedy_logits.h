@@ -5,17 +5,17 @@
 // about 4x less arithmetic than the float32 pass at a batch of rows). Its
 // outputs differ from the exact float32 ones by at most B[r, j] = norm[j] *
 // C[r]: norm[j] = |W[j, :]| (QuantizedWeight::row_norms) and C[r] = (|e| +
-// (K + 2 K / 32 + 8) 2^-23 (|x| + |e|)) (1 + 2^-20), e = x~ - x the row's
+// (K + c K / 32 + 8) 2^-23 (|x| + |e|)) (1 + 2^-20), c = 2 for Q8_0 tiles and
+// 4 for i6f ones (below), e = x~ - x the row's
 // int8 rounding error (x~ the de-quantised int8 activations, recomputed here
 // with the pass's own quantize_rows): by Cauchy-Schwarz |W[j] . e| <= norm[j]
 // |e|, and the float32 roundings of both passes add the second term: a sum of
 // n rounded terms is within gamma_n = n u / (1 - n u) (u = 2^-24) of the sum
 // of their magnitudes, here at most norm[j] |x| (the exact pass, n = K + 1;
 // its scalar variant rounds each product and each sum: within the same
-// gamma) and norm[j] |x~| (the int8 pass, n <= 2 K / 32 + 4: a scale product,
-// then a multiply-add or a product and a sum per block; Q6_K's i6f tiles have
-// two such terms a block, a scale per 16 elements, and are counted with
-// 4 K / 32 in place of 2 K / 32); 2^-23 a term, twice
+// gamma) and norm[j] |x~| (the int8 pass, n <= c K / 32 + 4: a scale product,
+// then a multiply-add or a product and a sum per block, or per 16 elements
+// in Q6_K's i6f tiles, a scale each); 2^-23 a term, twice
 // u, covers gamma_n while n u <= 1/2 (K up to 2^22; larger K takes the full
 // layer). Where values come near underflow, an absolute 2^-100 in the
 // comparison covers what subnormal results can lose; where a partial sum could

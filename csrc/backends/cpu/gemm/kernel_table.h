@@ -31,7 +31,7 @@
 //         and minimum of the block, Q4_K's), then uint8 qs[4][16][4] (q4_1's
 //         nibble order). After all the tiles, per row group g and 256-element
 //         super-block s of K, float d[16] and float nm[16] (row j's fp16 d and
-//         -dmin widened): 128 bytes at u4k_super(w, n, k, g, 32 s). Element
+//         -dmin widened): 128 bytes at u4k_super(w, n, k, g, 8 s). Element
 //         e of row j is (d sc) q + (nm mn), q its nibble (0..15), both
 //         products exact: 0.59 bytes a weight, against the 0.5625 of the Q4_K
 //         blocks (until 2026-12-07 u4f: the products as float32, 0.75);
