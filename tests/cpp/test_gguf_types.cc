@@ -592,7 +592,7 @@ TEST_P(GGUFTypesVariant, LinearF32PartsIsEachPartsOwnResult) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, GGUFTypesVariant, ::testing::Values("baseline", "neon", "avx2", "avx_vnni", "avx512_vnni"),
+INSTANTIATE_TEST_SUITE_P(Variants, GGUFTypesVariant, ::testing::Values("baseline", "neon", "neon_dotprod", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 }  // namespace

@@ -742,7 +742,7 @@ TEST_P(QuantLinearVariant, GreedyLogitsKeepEveryRowMaximumExactly) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, QuantLinearVariant,
-                         ::testing::Values("baseline", "neon", "avx2", "avx_vnni", "avx512_vnni"),
+                         ::testing::Values("baseline", "neon", "neon_dotprod", "avx2", "avx_vnni", "avx512_vnni"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
 
 TEST(QuantLinear, DequantizeIsBitExact) {
@@ -869,13 +869,18 @@ TEST(QuantIsa, TheActiveVariantsGemmIsTheBestThisCpuRuns) {
     best = "avx_vnni";
   } else if (f.x86_64_v3() && compiled("avx2")) {
     best = "avx2";
+  } else if (f.neon && f.arm_dotprod && compiled("neon_dotprod")) {
+    best = "neon_dotprod";
+  } else if (f.neon && compiled("neon")) {
+    best = "neon";
   }
   const std::string active = active_isa().gemm().name;
   const char* forced = std::getenv("PAGEDSERVE_CPU_ISA");
   if (forced == nullptr || *forced == '\0') EXPECT_EQ(active, best);
   if (const char* expect = std::getenv("PAGEDSERVE_EXPECT_QUANT_ISA")) EXPECT_EQ(active, expect);
   std::cout << "[ isa ] active GEMM kernels: " << active << " (variant " << active_isa().name
-            << ", avx512_vnni=" << f.avx512_vnni << ", avx_vnni=" << f.avx_vnni << ")\n";
+            << ", avx512_vnni=" << f.avx512_vnni << ", avx_vnni=" << f.avx_vnni << ", dotprod=" << f.arm_dotprod
+            << ")\n";
 }
 
 // The SIMD variants quantise the activations lane-wise with the scalar

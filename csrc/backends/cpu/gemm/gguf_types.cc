@@ -186,7 +186,7 @@ QType as_stored_blocks(QType q, const uint8_t* src, int64_t blocks, uint8_t* dst
     bool exact = true;
     for (int64_t i = 0; i < blocks && exact; ++i) {
       const uint8_t* b = src + i * 18;
-      uint16_t mh;
+      uint16_t mh = 0;  // meaningful only where exact_half says so
       exact = exact_half(-8.f * fp16_at(b), &mh);
       uint8_t* o = dst + i * 20;
       std::memcpy(o, b, 2);

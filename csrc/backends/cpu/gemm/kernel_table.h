@@ -5,7 +5,8 @@
 // "avx_vnni" (kernels_avx2.cc again with AVX-VNNI: 256-bit vpdpbusd) and
 // "avx512_vnni" (kernels_avx512.cc: x86-64-v4 + AVX512-VNNI, 512-bit
 // vpdpbusd). The registry (runtime/isa_registry.h) names the table each ISA
-// variant runs with.
+// variant runs with. On AArch64: "neon" and "neon_dotprod" (kernels_neon.cc:
+// smull + sadalp, or sdot where the CPU has the dot-product extension).
 //
 // As in attention/kernel_table.h, only plain structs, constants and function declarations
 // live here: an inline function compiled into an AVX-512 object could be chosen
@@ -107,6 +108,15 @@ inline const float* u4k_super(const uint8_t* w, int64_t n, int64_t k, int64_t g,
   return reinterpret_cast<const float*>(w + groups * nb * kU4KTileBytes + (g * (nb / 8) + b / 8) * kU4KSuperBytes);
 }
 
+// Row j's (0..15) scale d = (d sc) and minimum m = (nm mn) of 32-block b of row group g in the u4k weight at w
+// ([n, k]): both products exact (the layout above).
+inline void u4k_scales(const uint8_t* w, int64_t n, int64_t k, int64_t g, int64_t b, int j, float* d, float* m) {
+  const uint8_t* t = w + (g * (k / kQBlock) + b) * kU4KTileBytes;
+  const float* super = u4k_super(w, n, k, g, b);
+  *d = super[j] * static_cast<float>(t[j]);
+  *m = super[kQRows + j] * static_cast<float>(t[kQRows + j]);
+}
+
 // The quant (v - 32, in -32 .. 31) of element e (0..31) of row j (0..15) in the i6f tile at t (the layout above).
 inline int i6f_quant(const uint8_t* t, int j, int e) {
   const int p = (e & 15) >> 2, half = e >> 4, at = 4 * j + (e & 3);
@@ -167,7 +177,7 @@ struct QuantF32GemmArgs {
 
 // One variant of the quantized kernels.
 struct QuantKernelTable {
-  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni"
+  const char* name;  // "scalar", "avx2", "avx_vnni", "avx512_vnni", "neon", "neon_dotprod"
   // Quantises rows [r0, r1) of x [M, K] (float32 or bfloat16, contiguous) into
   // xq / xd / xsum128 / xs (QuantActivations' layout for M rows), rows r0..r1 written.
   // Bit-identical in every variant: the scalar one is plain C++ (built with
@@ -203,6 +213,8 @@ const QuantKernelTable& quant_kernel_table_scalar();
 const QuantKernelTable& quant_kernel_table_avx2();
 const QuantKernelTable& quant_kernel_table_avx_vnni();
 const QuantKernelTable& quant_kernel_table_avx512_vnni();
+const QuantKernelTable& quant_kernel_table_neon();
+const QuantKernelTable& quant_kernel_table_neon_dotprod();
 
 }  // namespace cpu
 }  // namespace pagedserve

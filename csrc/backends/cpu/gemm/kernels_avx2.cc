@@ -8,7 +8,7 @@
 // (each at most 2 * 15 * 127, eight of them below 32767); Q8_0 would saturate
 // i16 as q + 128, so it uses the |w| / sign(x, w) form instead. 4 activation
 // rows share each unpacked weight tile per pass. The decoded tiles (u4k, u5f,
-// i6f) run the integer kernel of kernels_simd.h; gemm_f32 (the exact float32
+// i6f) run the integer kernel of kernels_decoded_x86.h; gemm_f32 (the exact float32
 // GEMM) is described at its section.
 //
 // Everything but the table getter has internal linkage and no standard-library
@@ -75,7 +75,7 @@ inline int32_t store_q(int8_t* q, const VecI* qi) {
 }  // namespace cpu
 }  // namespace pagedserve
 
-#include "backends/cpu/gemm/kernels_simd.h"
+#include "backends/cpu/gemm/kernels_decoded_x86.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -199,6 +199,10 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
 // The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_typed does, into L1 here).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if constexpr (decoded_format<Q>()) {  // u4k, u5f, i6f: kernels_decoded_x86.h
+    gemm_decoded<Q>(a, g0, g1, m0, m1);
+    return;
+  }
   constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
@@ -261,17 +265,11 @@ inline __attribute__((always_inline)) __m256 expand8(const uint8_t* t, int h, in
     const __m256i v = _mm256_or_si256(nib, hb);
     return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m);  // exact d * v, one rounding
   } else if constexpr (Q == TileFormat::kI6F) {
-    // The bytes v - 32 of the four elements 16 half + 4 p + b (b = 0..3) of each lane: the nibbles masked, the
-    // 2-bit fields moved to bits 4..5 (16-bit shifts: the mask keeps only bits from the same byte), joined,
-    // - 32: the same expression for the four e that share it (the unrolled callers compute it once); then the
-    // one wanted to the top byte, q * 2^24 as int32 (as Q8_0's below), times d * 2^-24: exact.
-    const int p = (e & 15) >> 2, byte = e & 3, half = e >> 4, at = 4 * (p & 1) + 2 * half;
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FNibbles + 64 * p + 32 * h));
-    const __m256i nib = _mm256_and_si256(half == 0 ? raw : _mm256_srli_epi16(raw, 4), _mm256_set1_epi8(0x0F));
-    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + kI6FHigh + 64 * (p >> 1) + 32 * h));
-    const __m256i hi = _mm256_and_si256(at < 4 ? _mm256_slli_epi16(qh, 4 - at) : at > 4 ? _mm256_srli_epi16(qh, at - 4)
-                                                                                        : qh, _mm256_set1_epi8(0x30));
-    const __m256i v = _mm256_sub_epi8(_mm256_or_si256(nib, hi), _mm256_set1_epi8(32));
+    // The bytes v - 32 of the four elements 16 half + 4 p + b (b = 0..3) of each lane (i6f_bytes8: the same
+    // expression for the four e that share it, computed once by the unrolled callers); then the one wanted to
+    // the top byte, q * 2^24 as int32 (as Q8_0's below), times d * 2^-24: exact.
+    const int p = (e & 15) >> 2, byte = e & 3, half = e >> 4;
+    const __m256i v = i6f_bytes8(t, p, half, h);
     const int32_t top = static_cast<int32_t>(0x808080u | static_cast<uint32_t>(byte) << 24);
     const __m256i ctl = _mm256_add_epi32(_mm256_set1_epi32(top),
                                          _mm256_set_epi32(12 << 24, 8 << 24, 4 << 24, 0, 12 << 24, 8 << 24, 4 << 24, 0));
@@ -302,14 +300,13 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, int h, 
     *d = *m = _mm256_setzero_ps();
     return;
   }
-  if constexpr (float_scales<Q>()) {
+  if constexpr (five_bit<Q>()) {
     *d = _mm256_loadu_ps(reinterpret_cast<const float*>(t) + 8 * h);
     *m = _mm256_loadu_ps(reinterpret_cast<const float*>(t + 64) + 8 * h);
     return;
   }
-  if constexpr (Q == TileFormat::kU4K) {  // d sc and nm mn, both exact
-    *d = _mm256_mul_ps(_mm256_loadu_ps(super + 8 * h), bytes_to_floats(t + 8 * h));
-    *m = _mm256_mul_ps(_mm256_loadu_ps(super + kQRows + 8 * h), bytes_to_floats(t + kQRows + 8 * h));
+  if constexpr (Q == TileFormat::kU4K) {
+    u4k_scales8(t, h, super, d, m);
     return;
   }
   if constexpr (Q == TileFormat::kI6F) {

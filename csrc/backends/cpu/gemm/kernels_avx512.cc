@@ -7,7 +7,7 @@
 // q + 128 (xor 0x80) with -128 * sum(xq) as the accumulator's start value.
 // Several activation rows reuse each unpacked weight tile in registers (8 per
 // pass). The decoded tiles (u4k, u5f, i6f) run the 256-bit integer kernel of
-// kernels_simd.h; gemm_f32 (the exact float32 GEMM) is described at its section.
+// kernels_decoded_x86.h; gemm_f32 (the exact float32 GEMM) is described at its section.
 //
 // Everything but the table getter has internal linkage and no standard-library
 // template is used (tests/cpp/check_isa_objects.cmake verifies the objects).
@@ -68,7 +68,7 @@ inline int32_t store_q(int8_t* q, const VecI* qi) {
 }  // namespace cpu
 }  // namespace pagedserve
 
-#include "backends/cpu/gemm/kernels_simd.h"
+#include "backends/cpu/gemm/kernels_decoded_x86.h"
 
 namespace pagedserve {
 namespace cpu {
@@ -181,6 +181,10 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 // waiting on L3 / memory).
 template <TileFormat Q>
 void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if constexpr (decoded_format<Q>()) {  // u4k, u5f, i6f: kernels_decoded_x86.h
+    gemm_decoded<Q>(a, g0, g1, m0, m1);
+    return;
+  }
   constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
@@ -281,7 +285,7 @@ inline __attribute__((always_inline)) void tile_scales(const uint8_t* t, __m512*
     *d = *m = _mm512_setzero_ps();
     return;
   }
-  if constexpr (float_scales<Q>()) {
+  if constexpr (five_bit<Q>()) {
     *d = _mm512_loadu_ps(reinterpret_cast<const float*>(t));
     *m = _mm512_loadu_ps(reinterpret_cast<const float*>(t + 64));
     return;

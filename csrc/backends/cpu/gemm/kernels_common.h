@@ -94,15 +94,10 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // The dense formats (kernel_table.h: dense_format): the expansion is a load (and,
 // for the 16-bit ones, an exact widening).
 
-// The 5-bit format (u5f: kernel_table.h): float d[16] at 0, m[16] at 64,
+// The 5-bit format (u5f: kernel_table.h), the one whose tiles hold float32 d[16] at 0 and m[16] at 64,
 // the nibbles at k5FNibbles in q4_1's order, the high bits (uint32 per row) at k5FHigh.
 template <TileFormat Q>
 constexpr bool five_bit() {
-  return Q == TileFormat::kU5F;
-}
-// The formats whose tiles hold float32 d[16] at 0 and m[16] at 64 (u5f).
-template <TileFormat Q>
-constexpr bool float_scales() {
   return Q == TileFormat::kU5F;
 }
 constexpr int k5FNibbles = 128;

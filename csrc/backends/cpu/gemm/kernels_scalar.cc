@@ -70,10 +70,7 @@ void u5f_or_u4k_scales(const Args& a, int64_t g, int64_t b, int j, float* d, flo
     memcpy(m, t + 64 + 4 * j, 4);
     return;
   }
-  const uint8_t* t = a.w + (g * (a.k / kQBlock) + b) * kU4KTileBytes;
-  const float* super = u4k_super(a.w, a.n, a.k, g, b);
-  *d = super[j] * static_cast<float>(t[j]);
-  *m = super[kQRows + j] * static_cast<float>(t[kQRows + j]);
+  u4k_scales(a.w, a.n, a.k, g, b, j, d, m);
 }
 
 void gemm_group(const QuantGemmArgs& a, int64_t g, int64_t r) {

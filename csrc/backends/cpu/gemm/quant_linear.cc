@@ -275,8 +275,8 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
       continue;
     }
     if (format_ == TileFormat::kU4K) {
-      const float* super = u4k_super(tiles_.get(), n_, k_, g, b);
-      const float d = super[j] * static_cast<float>(t[j]), m = super[kQRows + j] * static_cast<float>(t[kQRows + j]);
+      float d, m;
+      u4k_scales(tiles_.get(), n_, k_, g, b, j, &d, &m);
       for (int e = 0; e < kQBlock; ++e) {  // both products exact (kernel_table.h)
         const uint8_t byte = t[kU4KNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
         const float prod = d * static_cast<float>(e < 16 ? byte & 0x0F : byte >> 4);

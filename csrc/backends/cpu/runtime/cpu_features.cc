@@ -77,10 +77,12 @@ void detect(CpuFeatures& f) {
   f.neon = true;  // Advanced SIMD is part of every AArch64 CPU
 #if defined(__linux__)
   const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  f.arm_dotprod = (hw >> 20) & 1ul;  // HWCAP_ASIMDDP
   f.sve = (hw >> 22) & 1ul;        // HWCAP_SVE
   f.arm_i8mm = (hw2 >> 13) & 1ul;  // HWCAP2_I8MM
   f.arm_bf16 = (hw2 >> 14) & 1ul;  // HWCAP2_BF16
 #elif defined(__APPLE__)
+  f.arm_dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd");
   f.arm_bf16 = sysctl_flag("hw.optional.arm.FEAT_BF16");
   f.arm_i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
 #endif
@@ -98,7 +100,7 @@ std::vector<std::string> CpuFeatures::names() const {
       {"avx512bw", avx512bw}, {"avx512vl", avx512vl}, {"avx512dq", avx512dq}, {"avx512cd", avx512cd},
       {"avx512_bf16", avx512_bf16}, {"avx512_fp16", avx512_fp16}, {"avx512_vnni", avx512_vnni},
       {"avx_vnni", avx_vnni}, {"avx_ne_convert", avx_ne_convert}, {"amx_tile", amx_tile},
-      {"amx_bf16", amx_bf16}, {"amx_int8", amx_int8}, {"neon", neon}, {"bf16", arm_bf16},
+      {"amx_bf16", amx_bf16}, {"amx_int8", amx_int8}, {"neon", neon}, {"dotprod", arm_dotprod}, {"bf16", arm_bf16},
       {"i8mm", arm_i8mm}, {"sve", sve}};
   for (const auto& [name, on] : all) {
     if (on) out.push_back(name);

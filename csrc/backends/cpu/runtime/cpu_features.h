@@ -18,7 +18,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false, avx512_fp16 = false, avx512_vnni = false, avx_vnni = false, avx_ne_convert = false;
   bool amx_tile = false, amx_bf16 = false, amx_int8 = false;
   // arm64
-  bool neon = false, arm_bf16 = false, arm_i8mm = false, sve = false;
+  bool neon = false, arm_dotprod = false, arm_bf16 = false, arm_i8mm = false, sve = false;
 
   // x86-64-v3: AVX2, FMA, F16C, BMI2 with the OS saving YMM state.
   bool x86_64_v3() const { return avx && avx2 && fma && f16c && bmi2; }

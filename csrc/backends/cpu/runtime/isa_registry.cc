@@ -48,6 +48,12 @@ const QuantKernelTable& best_gemm() {
 #if defined(PAGEDSERVE_HAVE_GEMM_AVX2)
   if (v3()) return quant_kernel_table_avx2();
 #endif
+#if defined(PAGEDSERVE_HAVE_GEMM_NEON_DOTPROD)
+  if (cpu_features().arm_dotprod) return quant_kernel_table_neon_dotprod();
+#endif
+#if defined(PAGEDSERVE_HAVE_GEMM_NEON)
+  return quant_kernel_table_neon();
+#endif
   return quant_kernel_table_scalar();
 }
 #endif
@@ -63,8 +69,18 @@ const std::vector<IsaVariant>& compiled_isas() {
        &fused_kernel_table_baseline, &quant_kernel_table_scalar},
 #endif
 #if defined(PAGEDSERVE_HAVE_ISA_NEON)
-      {"neon", "AArch64 Advanced SIMD", [] { return cpu_features().neon; }, &kernel_table_neon,
+      // the reference GEMM (scalar) beside the Advanced SIMD attention and ops, which are the AArch64 baseline
+      {"baseline", "nothing beyond the architecture's baseline", [] { return true; }, &kernel_table_neon,
        &fused_kernel_table_neon, &quant_kernel_table_scalar},
+#endif
+#if defined(PAGEDSERVE_HAVE_ISA_NEON) && defined(PAGEDSERVE_HAVE_GEMM_NEON)
+      {"neon", "AArch64 Advanced SIMD", [] { return cpu_features().neon; }, &kernel_table_neon,
+       &fused_kernel_table_neon, &quant_kernel_table_neon},
+#endif
+#if defined(PAGEDSERVE_HAVE_ISA_NEON) && defined(PAGEDSERVE_HAVE_GEMM_NEON_DOTPROD)
+      {"neon_dotprod", "AArch64 Advanced SIMD and the dot-product extension (asimddp)",
+       [] { return cpu_features().neon && cpu_features().arm_dotprod; }, &kernel_table_neon,
+       &fused_kernel_table_neon, &quant_kernel_table_neon_dotprod},
 #endif
 #if defined(PAGEDSERVE_HAVE_ISA_AVX2) && defined(PAGEDSERVE_HAVE_GEMM_AVX2)
       {"avx2", "x86-64-v3: avx2 fma f16c bmi2", &v3, &kernel_table_avx2, &fused_kernel_table_avx2,

@@ -29,7 +29,7 @@ namespace pagedserve {
 namespace cpu {
 
 struct IsaVariant {
-  const char* name;       // "baseline", "neon", "avx2", "avx_vnni", "avx512", "avx512_vnni" or "native"
+  const char* name;       // "baseline", "neon", "neon_dotprod", "avx2", "avx_vnni", "avx512", "avx512_vnni" or "native"
   const char* requires_;  // what the CPU must have, for messages ("x86-64-v3: avx2 fma f16c bmi2")
   bool (*supported)();    // can this CPU execute it
   const KernelTable& (*attention)();
