@@ -198,7 +198,8 @@ struct QuantKernelTable {
   // widest float32 fused multiply-add (kind kPeakFma; the scalar variant a
   // multiply then an add) or of its u8 x s8 multiply-accumulate as the integer
   // kernels issue it (kind kPeakInt8Dot: vpdpbusd, or vpmaddubsw + vpmaddwd +
-  // vpaddd on AVX2; int32 += int8 * int8 in the scalar one), enough chains to
+  // vpaddd on AVX2; sdot, or smull + sadalp (s8 x s8) on NEON; int32 += int8 *
+  // int8 in the scalar one), enough chains to
   // cover the instruction's latency. Returns the operations done (2 per
   // multiply-add lane, as GFLOP/s and GOP/s count them).
   double (*peak_ops)(int kind, int64_t iters);

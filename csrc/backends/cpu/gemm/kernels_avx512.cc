@@ -180,11 +180,7 @@ void pass(const QuantGemmArgs& a, int64_t g, int64_t r, const uint8_t* pf) {
 // (one group ahead: its first pass then finds the tiles in L2 instead of
 // waiting on L3 / memory).
 template <TileFormat Q>
-void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  if constexpr (decoded_format<Q>()) {  // u4k, u5f, i6f: kernels_decoded_x86.h
-    gemm_decoded<Q>(a, g0, g1, m0, m1);
-    return;
-  }
+void gemm_stored(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
   constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
@@ -201,6 +197,17 @@ void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int6
       case 1: pass<Q, 1>(a, g, r, pf); break;
       default: break;
     }
+  }
+}
+
+// kernels_simd.h's gemm per format: q4_1 / q8_0 above, the decoded tiles (u4k, u5f, i6f) kernels_decoded_x86.h's
+// (if constexpr: no pass of this file is instantiated for them).
+template <TileFormat Q>
+void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if constexpr (decoded_format<Q>()) {
+    gemm_decoded<Q>(a, g0, g1, m0, m1);
+  } else {
+    gemm_stored<Q>(a, g0, g1, m0, m1);
   }
 }
 

@@ -1,6 +1,6 @@
 // What every variant of the quantized linear kernels shares (kernel_table.h:
 // one file per variant, kernels_scalar.cc, kernels_avx2.cc, kernels_avx512.cc,
-// include it): the activation quantisation's scales, the output stores and the
+// kernels_neon.cc, include it): the activation quantisation's scales, the output stores and the
 // tile formats' offsets. Only for those files: everything here has internal
 // linkage (an anonymous namespace), so no symbol compiled for one ISA can stand
 // in for another's (tests/cpp/check_isa_objects.cmake).
@@ -79,7 +79,9 @@ inline void write_out(const QuantGemmArgs& a, int64_t r, int64_t c0, int width, 
 // is exact in float32 (at most 19 significant bits, no overflow or underflow
 // for any finite fp16 d), so round(d * q) = d * q and the single rounding of
 // fma(q, d, m) equals numpy's round(round(d * q) + m); Q8_0 multiplies
-// (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product.
+// (q * 2^24) by (d * 2^-24), both exact scalings, for the same exact product
+// (x86: the byte shuffled to the top of its lane; NEON sign-extends q and
+// multiplies q by d, the same value and sign of zero).
 // u5f / u4k / i6f: d * q is exact by construction (gguf_types.h: at most 23 significant
 // bits for every type), d * 2^-24 stays normal for every d the repacking
 // makes (|d| >= 2^-24 or 0), and fma(q, d, m) rounds once, as numpy's

@@ -1,6 +1,7 @@
 // The integer GEMM of the decoded tiles (u4k, u5f, i6f) the x86 variants share
-// (kernels_avx2.cc and kernels_avx512.cc include it after kernels_simd.h; their
-// gemm_typed hands these formats to gemm_decoded). Internal linkage
+// (kernels_avx2.cc and kernels_avx512.cc include it, in place of kernels_simd.h,
+// which it includes, after defining their lane primitives; their gemm_typed
+// hands these formats to gemm_decoded). Internal linkage
 // throughout, as kernels_common.h.
 #pragma once
 

@@ -416,6 +416,7 @@ void f32_rows(const QuantF32GemmArgs& a, int64_t g, int64_t r, int64_t rows, con
 template <TileFormat Q>
 void gemm_f32_typed(const QuantF32GemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, float* scratch) {
   constexpr int64_t kPassRows = kF32Rows / 2;
+  if (m1 <= m0) return;
   for (int64_t g = g0; g < g1; ++g) {
     if (m1 - m0 <= kF32DirectRows) {
       f32_rows<Q>(a, g, m0, m1 - m0, nullptr);

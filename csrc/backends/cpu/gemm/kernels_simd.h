@@ -1,6 +1,6 @@
 // What the SIMD variants of the quantized linear kernels share
-// (kernels_avx2.cc, kernels_avx512.cc, kernels_neon.cc include it after
-// kernels_common.h and after defining their lane primitives: VecF / VecI,
+// (kernels_neon.cc includes it, the x86 files through kernels_decoded_x86.h,
+// after kernels_common.h and after defining their lane primitives: VecF / VecI,
 // kLanes, load_lanes, abs_max, hmax, nan_to_zero, set1f, mulf, addf, subf,
 // fmaddf, minf, maxf, trunc_i32, store_q): the activation quantisation over
 // those primitives, the float half of the roofline's peak probe

@@ -4,8 +4,9 @@
 // (gemm/kernel_table.h). Each family's kernels are compiled once per
 // instruction set (CMake: csrc/backends/cpu/CMakeLists.txt) and a variant names
 // the table of each family it runs with:
-//   baseline     attention/ops baseline (SSE2 on x86-64), GEMM scalar
-//   neon         attention/ops neon (the AArch64 baseline),  GEMM scalar
+//   baseline     attention/ops baseline (SSE2 on x86-64; neon on arm64), GEMM scalar
+//   neon         attention/ops neon (the AArch64 baseline),  GEMM neon (smull + sadalp)
+//   neon_dotprod attention/ops neon,                         GEMM neon_dotprod (sdot)
 //   avx2         attention/ops avx2 (x86-64-v3),             GEMM avx2 (vpmaddubsw)
 //   avx_vnni     attention/ops avx2,                         GEMM avx_vnni (256-bit vpdpbusd)
 //   avx512       attention/ops avx512 (x86-64-v4),           GEMM avx2
