@@ -137,6 +137,22 @@ def test_a_truncated_file_is_refused_by_name(cut, tmp_path, monkeypatch):
         LLM(model=str(short), num_kv_blocks=8, max_model_len=64)
 
 
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_the_tensor_index_read_from_the_header_is_gguf_readers(family, tmp_path):
+    """read_tensor_index's fast reader (the tensor table only, transformers' header reader) gives gguf-py's
+    GGUFReader's index entry for entry, on files of every tensor type the kernels read (and bf16, which gguf-py
+    reads as bytes); a file cut inside its header is left to GGUFReader (None)."""
+    from pagedserve.model import gguf_format
+
+    path, types = gguf_files.write(family, tmp_path / "m.gguf")
+    assert set(types) >= {"q4_k", "q6_k", "q8_0", "q5_0", "bf16", "f16"}
+    fast = gguf_format._index_from_header(path)
+    assert fast is not None and fast == gguf_format._index_from_gguf_reader(path)
+    short = tmp_path / "short.gguf"
+    short.write_bytes(path.read_bytes()[:fast["header_bytes"] // 2])
+    assert gguf_format._index_from_header(short) is None
+
+
 def _set_field(path, key: str, value: int) -> None:
     """Edits an integer metadata field in place, as gguf-py's gguf_set_metadata does."""
     from gguf import GGUFReader
