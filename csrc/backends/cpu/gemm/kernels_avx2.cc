@@ -85,9 +85,8 @@ namespace {
 //
 // Only 16 ymm: the tile is unpacked one 4-element group c at a time and used by
 // every row of the pass before the next (R integer sums + R accumulators + the
-// scales stay in registers).
-
-constexpr int kRowsPerPass = 4;
+// scales stay in registers). Passes of kDecodedRowsPerPass (4) rows, as the decoded tiles' kernel
+// (half_group_passes, kernels_decoded_x86.h).
 
 // out[r, c0 + j] = v[j] (+ bias) for j < min(8, N - c0): write_out's steps
 // (one float add, float_to_bf16's rounding) lane-wise; write_out itself at the
@@ -196,37 +195,13 @@ void pass(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uint8_t* pf
   for (int i = 0; i < R; ++i) store_row(a, r + i, g * kQRows + 8 * h, acc[i]);
 }
 
-// The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_stored does, into L1 here).
+// The first pass over a group prefetches the next one (as kernels_avx512.cc's gemm_stored does, into L1 here:
+// pass's _MM_HINT_T0).
 template <TileFormat Q>
 void gemm_stored(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  constexpr int64_t kTile = tile_bytes(Q);
-  const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
-  for (int64_t g = g0; g < g1; ++g) {
-    const uint8_t* pf = g + 1 < groups ? a.w + (g + 1) * group_bytes : nullptr;
-    for (int h = 0; h < 2; ++h) {
-      if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
-      int64_t r = m0;
-      for (; r + kRowsPerPass <= m1; r += kRowsPerPass, pf = nullptr) pass<Q, kRowsPerPass>(a, g, h, r, pf);
-      switch (m1 - r) {
-        case 3: pass<Q, 3>(a, g, h, r, pf); break;
-        case 2: pass<Q, 2>(a, g, h, r, pf); break;
-        case 1: pass<Q, 1>(a, g, h, r, pf); break;
-        default: break;
-      }
-      pf = nullptr;
-    }
-  }
-}
-
-// kernels_simd.h's gemm per format: q4_1 / q8_0 above, the decoded tiles (u4k, u5f, i6f) kernels_decoded_x86.h's
-// (if constexpr: no pass of this file is instantiated for them).
-template <TileFormat Q>
-void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  if constexpr (decoded_format<Q>()) {
-    gemm_decoded<Q>(a, g0, g1, m0, m1);
-  } else {
-    gemm_stored<Q>(a, g0, g1, m0, m1);
-  }
+  half_group_passes<Q>(a, g0, g1, m0, m1, [&](auto rows, int64_t g, int h, int64_t r, const uint8_t* pf) {
+    pass<Q, decltype(rows)::kRows>(a, g, h, r, pf);
+  });
 }
 
 // ---- exact float32 GEMM, 256-bit (AVX2 + FMA): one row group (two ymm) x up to 6 activation rows ----

@@ -200,17 +200,6 @@ void gemm_stored(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int
   }
 }
 
-// kernels_simd.h's gemm per format: q4_1 / q8_0 above, the decoded tiles (u4k, u5f, i6f) kernels_decoded_x86.h's
-// (if constexpr: no pass of this file is instantiated for them).
-template <TileFormat Q>
-void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
-  if constexpr (decoded_format<Q>()) {
-    gemm_decoded<Q>(a, g0, g1, m0, m1);
-  } else {
-    gemm_stored<Q>(a, g0, g1, m0, m1);
-  }
-}
-
 // ---- exact float32 GEMM, AVX-512: 16 rows per zmm, G row groups x R activation rows ----
 //
 // A pass holds G x R accumulators (24 of the 32 zmm) and each expanded weight

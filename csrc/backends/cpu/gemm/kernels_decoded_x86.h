@@ -156,9 +156,18 @@ void pass_decoded(const QuantGemmArgs& a, int64_t g, int h, int64_t r, const uin
   }
 }
 
-// The first pass over a group prefetches the next one.
-template <TileFormat Q>
-void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+// A pass's row count as a type, for half_group_passes' callback (no standard-library template in these objects).
+template <int R>
+struct PassRows {
+  static constexpr int kRows = R;
+};
+
+// The 256-bit integer kernels' loop (gemm_decoded here, kernels_avx2.cc's q4_1 / q8_0 passes): per row group
+// of [g0, g1) and half of it (8 rows; none past N), passes of kDecodedRowsPerPass activation rows of [m0, m1),
+// then one of the 3, 2 or 1 left; the first pass over a group gets the next group's tiles to prefetch (pf),
+// the others nullptr. pass(PassRows<R>{}, g, h, r, pf) computes rows r .. r + R - 1 of half h of group g.
+template <TileFormat Q, typename Pass>
+inline void half_group_passes(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1, Pass&& pass) {
   constexpr int64_t kTile = tile_bytes(Q);
   const int64_t groups = (a.n + kQRows - 1) / kQRows, group_bytes = a.k / kQBlock * kTile;
   for (int64_t g = g0; g < g1; ++g) {
@@ -167,12 +176,12 @@ void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, in
       if (g * kQRows + 8 * h >= a.n) break;  // padding rows only
       int64_t r = m0;
       for (; r + kDecodedRowsPerPass <= m1; r += kDecodedRowsPerPass, pf = nullptr) {
-        pass_decoded<Q, kDecodedRowsPerPass>(a, g, h, r, pf);
+        pass(PassRows<kDecodedRowsPerPass>{}, g, h, r, pf);
       }
       switch (m1 - r) {
-        case 3: pass_decoded<Q, 3>(a, g, h, r, pf); break;
-        case 2: pass_decoded<Q, 2>(a, g, h, r, pf); break;
-        case 1: pass_decoded<Q, 1>(a, g, h, r, pf); break;
+        case 3: pass(PassRows<3>{}, g, h, r, pf); break;
+        case 2: pass(PassRows<2>{}, g, h, r, pf); break;
+        case 1: pass(PassRows<1>{}, g, h, r, pf); break;
         default: break;
       }
       pf = nullptr;
@@ -180,10 +189,26 @@ void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, in
   }
 }
 
-// Whether gemm_typed<Q> hands format Q to gemm_decoded.
 template <TileFormat Q>
-constexpr bool decoded_format() {
-  return Q == TileFormat::kU4K || Q == TileFormat::kU5F || Q == TileFormat::kI6F;
+void gemm_decoded(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  half_group_passes<Q>(a, g0, g1, m0, m1, [&](auto rows, int64_t g, int h, int64_t r, const uint8_t* pf) {
+    pass_decoded<Q, decltype(rows)::kRows>(a, g, h, r, pf);
+  });
+}
+
+// The including file's kernels for the formats it holds as stored (q4_1, q8_0), defined after this header.
+template <TileFormat Q>
+void gemm_stored(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1);
+
+// kernels_simd.h's gemm per format: the decoded tiles (u4k, u5f, i6f) here, q4_1 / q8_0 the file's gemm_stored
+// (if constexpr: neither is instantiated for the other's formats).
+template <TileFormat Q>
+void gemm_typed(const QuantGemmArgs& a, int64_t g0, int64_t g1, int64_t m0, int64_t m1) {
+  if constexpr (Q == TileFormat::kU4K || Q == TileFormat::kU5F || Q == TileFormat::kI6F) {
+    gemm_decoded<Q>(a, g0, g1, m0, m1);
+  } else {
+    gemm_stored<Q>(a, g0, g1, m0, m1);
+  }
 }
 
 }  // namespace
