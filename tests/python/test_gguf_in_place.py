@@ -8,6 +8,7 @@ what transformers' float32 generate() over their weights does."""
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -151,6 +152,37 @@ def test_the_tensor_index_read_from_the_header_is_gguf_readers(family, tmp_path)
     short = tmp_path / "short.gguf"
     short.write_bytes(path.read_bytes()[:fast["header_bytes"] // 2])
     assert gguf_format._index_from_header(short) is None
+
+
+def test_a_file_the_header_walk_reads_loosely_gets_gguf_readers_verdict(tmp_path):
+    """An explicit general.alignment (the walk does not keep its type; gguf-py takes a uint32 power of two
+    only) and a non-UTF-8 architecture go to GGUFReader: the index it reads, or ModelLoadError by name."""
+    import gguf
+
+    from pagedserve.errors import ModelLoadError
+    from pagedserve.model import gguf_format
+
+    def write(name: str, alignment: int | None, architecture: bytes) -> Path:
+        out = tmp_path / name
+        w = gguf.GGUFWriter(str(out), "llama")
+        if alignment is not None:
+            w.add_custom_alignment(alignment)
+        w.add_tensor("a", np.arange(64, dtype=np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        if architecture != b"llama":  # same length: the header's offsets stay valid
+            data = out.read_bytes()
+            out.write_bytes(data.replace(b"llama", architecture, 1))
+        return out
+
+    aligned = write("aligned.gguf", 64, b"llama")
+    assert gguf_format._index_from_header(aligned) is None
+    index = gguf_format.read_tensor_index(aligned)
+    assert index == gguf_format._index_from_gguf_reader(aligned) and index["header_bytes"] % 64 == 0
+    with pytest.raises(ModelLoadError, match="not UTF-8"):
+        gguf_format.read_tensor_index(write("latin.gguf", None, b"ll\xe9ma"))
 
 
 def _set_field(path, key: str, value: int) -> None:

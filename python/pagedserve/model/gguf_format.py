@@ -181,8 +181,12 @@ def _index_from_gguf_reader(path: Path) -> dict:
         raise ModelLoadError(f"{path} is not a readable GGUF file (truncated or corrupt? "
                              f"{path.stat().st_size} bytes): {type(e).__name__}: {e}") from e
     arch = reader.fields.get("general.architecture")
+    try:
+        architecture = bytes(arch.parts[arch.data[0]]).decode() if arch is not None else ""
+    except UnicodeDecodeError as e:
+        raise ModelLoadError(f"{path}: general.architecture is not UTF-8 text ({e})") from e
     return {"format": INDEX_FORMAT,
-            "architecture": bytes(arch.parts[arch.data[0]]).decode() if arch is not None else "",
+            "architecture": architecture,
             "header_bytes": int(reader.data_offset), "header_sha256": _header_sha256(path, int(reader.data_offset)),
             "tensors": [[t.name, int(t.data_offset), int(t.data.nbytes), t.data.dtype.str, list(t.data.shape),
                          t.tensor_type.name.lower()] for t in reader.tensors]}
@@ -201,8 +205,13 @@ def _index_from_header(path: Path) -> dict | None:
     table (gguf-py's element types, byte shapes and sizes). Its GgufHeader is not used: it refuses types it
     cannot de-quantise (Q5_0, Q5_1), which our kernels read. None where that reader is missing (another
     transformers) or cannot walk the file (a foreign or cut file): the caller falls back to GGUFReader,
-    whose errors name the fault. tests/python/test_gguf_in_place.py holds both readers' dicts equal on
-    files of every type the kernels read."""
+    whose errors name the fault. It also answers None for whatever that walk reads more loosely than
+    GGUFReader (repeated metadata keys or tensor names, a non-string architecture, sizes past 2^63,
+    strings running past the file's end) and for a file that sets general.alignment (whose type the walk
+    does not keep; GGUFReader takes only a uint32 power of two; none of the packaged models sets it), so
+    such files get GGUFReader's verdict. tests/python/test_gguf_in_place.py holds both readers' dicts equal on files of
+    every type the kernels read."""
+    import math
     import struct
 
     try:
@@ -210,24 +219,29 @@ def _index_from_header(path: Path) -> dict | None:
         from transformers.integrations.gguf import reader
 
         blob = reader._mapped(str(path))
+        _, _, metadata_count = struct.unpack_from("<IQQ", blob, 4)
         metadata, count, pos = reader._read_metadata(blob, str(path))
         entries, pos = reader._read_tensor_table(blob, count, pos)
-        alignment = int(metadata.get("general.alignment", 32))
-        data_start = (pos + alignment - 1) // alignment * alignment
+        architecture = metadata["general.architecture"]
+        if (len(metadata) != metadata_count or not isinstance(architecture, str) or pos > len(blob)
+                or "general.alignment" in metadata or len({name for name, *_ in entries}) != len(entries)):
+            return None
+        data_start = (pos + 31) // 32 * 32  # GGUF's default alignment
         tensors = []
         for name, shape, ggml_type, offset in entries:  # shape in numpy order, as gguf-py's data arrays
             qtype = gguf.GGMLQuantizationType(ggml_type)
             shape = tuple(int(d) for d in shape)
             block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-            nbytes = int(np.prod(shape, dtype=np.int64)) * type_size // block_size
+            nbytes = math.prod(shape) * type_size // block_size
+            if nbytes >= 2**63 or data_start + int(offset) >= 2**63:
+                return None
             if qtype.name in _VALUE_DTYPES:
                 dtype = np.dtype(_VALUE_DTYPES[qtype.name]).str
             else:
                 dtype, shape = np.dtype(np.uint8).str, tuple(gguf.quant_shape_to_byte_shape(shape, qtype))
             tensors.append([name, data_start + int(offset), nbytes, dtype, list(shape), qtype.name.lower()])
-        architecture = str(metadata["general.architecture"])
     except (ImportError, AttributeError, TypeError, ValueError, KeyError, IndexError, OSError, struct.error,
-            UnicodeDecodeError):
+            UnicodeDecodeError, ArithmeticError):
         return None
     return {"format": INDEX_FORMAT, "architecture": architecture, "header_bytes": data_start,
             "header_sha256": _header_sha256(path, data_start), "tensors": tensors}
