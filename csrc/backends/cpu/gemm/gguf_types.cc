@@ -131,11 +131,16 @@ void decode_q6_k(const uint8_t* b, int8_t* qs, float* d, float* m) {
   const uint8_t* qh = b + 128;
   const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
   const float dd = fp16_at(b + 208);
-  for (int f = 0; f < 256; ++f) {
-    const int h = f / 128, j = f % 128;
-    const int lo = (ql[64 * h + j % 64] >> (4 * (j / 64))) & 0x0F;
-    const int hi = (qh[32 * h + j % 32] >> (2 * (j / 32))) & 0x03;
-    qs[f] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+  for (int h = 0; h < 2; ++h) {  // element j = 32 l + i of half h: each (h, l) a contiguous run of 32
+    for (int l = 0; l < 4; ++l) {
+      const uint8_t* low = ql + 64 * h + 32 * (l & 1);
+      const int shift = 4 * (l >> 1);
+      for (int i = 0; i < 32; ++i) {
+        const int lo = (low[i] >> shift) & 0x0F;
+        const int hi = (qh[32 * h + i] >> (2 * l)) & 0x03;
+        qs[128 * h + 32 * l + i] = static_cast<int8_t>((lo | (hi << 4)) - 32);
+      }
+    }
   }
   for (int s = 0; s < 16; ++s) {
     d[s] = dd * static_cast<float>(scales[s]);  // exact: 11 x 8 bits

@@ -204,55 +204,59 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
   const int64_t row_bytes = k_ / qtype_block_elements(qtype_) * qtype_block_bytes(qtype_);
   std::vector<int8_t> qs(static_cast<size_t>(k_));
   std::vector<float> d(static_cast<size_t>(k_ / 16)), m(static_cast<size_t>(k_ / 16));
+  float sd = 0.f, sdmin = 0.f;
+  uint8_t sc[8] = {}, mn[8] = {};
   for (int64_t row = 0; row < n_; ++row) {
     decode_row(qtype_, raw + row * row_bytes, k_, qs.data(), d.data(), m.data());
     const int64_t g = row / kQRows, j = row % kQRows;
     for (int64_t b = 0; b < nb; ++b) {
       uint8_t* t = tiles_.get() + (g * nb + b) * tb;
-      if (format_ == TileFormat::kU4K) {  // Q4_K: its 6-bit scale and minimum, the nibbles; per 256 its d and -dmin
-        float sd, sdmin;
-        uint8_t sc[8], mn[8];
-        q4_k_scales(raw + row * row_bytes + (b / 8) * qtype_block_bytes(qtype_), &sd, &sdmin, sc, mn);
-        t[j] = sc[b % 8];
-        t[kQRows + j] = mn[b % 8];
-        for (int e = 0; e < kQBlock; ++e) {
-          const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)]) & 0x0Fu;
-          uint8_t& byte = t[kU4KNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
-          byte = static_cast<uint8_t>(byte | (v << (e < 16 ? 0 : 4)));
+      // v(e): the unsigned quant of element e of this block (u4k 0..15, u5f 0..31, i6f q + 32 in 0..63); each
+      // tile byte of row j is written once, whole (the tiles start zeroed only for the padding rows' sake)
+      const int8_t* q = qs.data() + b * kQBlock;
+      const auto v = [&](int e) { return static_cast<unsigned>(q[e] + (format_ == TileFormat::kI6F ? 32 : 0)); };
+      const int nibbles = format_ == TileFormat::kU4K ? kU4KNibbles : format_ == TileFormat::kU5F ? 128 : kI6FNibbles;
+      for (int p = 0; p < 4; ++p) {  // q4_1's nibble order: element 4 p + c low, 16 + 4 p + c high
+        for (int c = 0; c < 4; ++c) {
+          t[nibbles + 64 * p + 4 * j + c] = static_cast<uint8_t>((v(4 * p + c) & 0x0Fu) | (v(16 + 4 * p + c) & 0x0Fu) << 4);
         }
+      }
+      if (format_ == TileFormat::kU4K) {  // Q4_K: its 6-bit scale and minimum; per 256 its d and -dmin
         if (b % 8 == 0) {
+          q4_k_scales(raw + row * row_bytes + (b / 8) * qtype_block_bytes(qtype_), &sd, &sdmin, sc, mn);
           float* super = const_cast<float*>(u4k_super(tiles_.get(), n_, k_, g, b));
           super[j] = sd;
           super[kQRows + j] = -sdmin;
         }
+        t[j] = sc[b % 8];
+        t[kQRows + j] = mn[b % 8];
         continue;
       }
-      if (format_ == TileFormat::kU5F) {  // one scale per 32 (both halves' are equal), 5 bits a quant
+      if (format_ == TileFormat::kU5F) {  // one scale per 32 (both halves' are equal), bit 4 of each quant
         std::memcpy(t + 4 * j, &d[static_cast<size_t>(2 * b)], 4);
         std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
         uint32_t high = 0;
-        for (int e = 0; e < kQBlock; ++e) {
-          const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)]) & 0x1Fu;
-          uint8_t& byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
-          byte = static_cast<uint8_t>(byte | ((v & 0x0Fu) << (e < 16 ? 0 : 4)));
-          high |= (v >> 4) << e;
-        }
+        for (int e = 0; e < kQBlock; ++e) high |= (v(e) >> 4 & 1u) << e;
         std::memcpy(t + 384 + 4 * j, &high, 4);
         continue;
       }
-      // i6f: a scale per 16 elements, v = q + 32 in 0..63 as a nibble and a 2-bit field (kernel_table.h)
+      // i6f: a scale per 16 elements; the 2-bit fields of elements 4 p + c and 16 + 4 p + c (p = 2 s, 2 s + 1)
+      // in byte c of row j's dword of plane s, at bits 4 (p & 1) + 2 half (kernel_table.h)
       for (int h = 0; h < 2; ++h) {
         std::memcpy(t + 4 * (kQRows * h + j), &d[static_cast<size_t>(2 * b + h)], 4);
         if (m[static_cast<size_t>(2 * b + h)] != 0.f) {  // Q6_K, the one type held in i6f, has none
           throw KernelArgumentError(std::string(qtype_name(qtype_)) + ": i6f tiles hold no minimum");
         }
       }
-      for (int e = 0; e < kQBlock; ++e) {
-        const unsigned v = static_cast<unsigned>(qs[static_cast<size_t>(b * kQBlock + e)] + 32);
-        const int p = (e & 15) >> 2, half = e >> 4, at = 4 * j + (e & 3);
-        t[kI6FNibbles + 64 * p + at] = static_cast<uint8_t>(t[kI6FNibbles + 64 * p + at] | (v & 0x0Fu) << (4 * half));
-        uint8_t& hi = t[kI6FHigh + 64 * (p >> 1) + at];
-        hi = static_cast<uint8_t>(hi | (v >> 4) << (4 * (p & 1) + 2 * half));
+      for (int plane = 0; plane < 2; ++plane) {
+        for (int c = 0; c < 4; ++c) {
+          unsigned byte = 0;
+          for (int odd = 0; odd < 2; ++odd) {
+            const int p = 2 * plane + odd;
+            byte |= (v(4 * p + c) >> 4) << (4 * odd) | (v(16 + 4 * p + c) >> 4) << (4 * odd + 2);
+          }
+          t[kI6FHigh + 64 * plane + 4 * j + c] = static_cast<uint8_t>(byte);
+        }
       }
     }
   }
