@@ -183,6 +183,10 @@ def test_a_file_the_header_walk_reads_loosely_gets_gguf_readers_verdict(tmp_path
     assert index == gguf_format._index_from_gguf_reader(aligned) and index["header_bytes"] % 64 == 0
     with pytest.raises(ModelLoadError, match="not UTF-8"):
         gguf_format.read_tensor_index(write("latin.gguf", None, b"ll\xe9ma"))
+    text = tmp_path / "text.gguf"
+    text.write_text("hi\n")
+    with pytest.raises(ModelLoadError, match="does not start with the GGUF magic"):
+        gguf_format.read_tensor_index(text)
 
 
 def _set_field(path, key: str, value: int) -> None:

@@ -152,6 +152,7 @@ def _read_tensor_index(path: Path) -> dict:
                 return index
         except (OSError, ValueError, KeyError, TypeError):
             pass
+    _check_magic(path)
     index = _index_from_header(path)
     if index is None:
         index = _index_from_gguf_reader(path)
@@ -165,6 +166,18 @@ def _read_tensor_index(path: Path) -> dict:
         except OSError:
             tmp.unlink(missing_ok=True)
     return index
+
+
+def _check_magic(path: Path) -> None:
+    """Raises ModelLoadError when ``path`` does not start with GGUF's magic bytes ("GGUF"): a file of
+    another kind named .gguf is refused by name, before any reader parses it."""
+    from ..errors import ModelLoadError
+
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes "
+                             f"(it starts with {head!r}; {path.stat().st_size} bytes)")
 
 
 def _index_from_gguf_reader(path: Path) -> dict:
