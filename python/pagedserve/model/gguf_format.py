@@ -168,16 +168,23 @@ def _read_tensor_index(path: Path) -> dict:
     return index
 
 
+def is_gguf(path: Path) -> bool:
+    """Whether the file at ``path`` starts with GGUF's magic bytes ("GGUF"); False where it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def _check_magic(path: Path) -> None:
-    """Raises ModelLoadError when ``path`` does not start with GGUF's magic bytes ("GGUF"): a file of
-    another kind named .gguf is refused by name, before any reader parses it."""
+    """Raises ModelLoadError when ``path`` is not a readable file starting with GGUF's magic bytes: a file
+    of another kind named .gguf is refused by name, before any reader parses it."""
     from ..errors import ModelLoadError
 
-    with open(path, "rb") as f:
-        head = f.read(4)
-    if head != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes "
-                             f"(it starts with {head!r}; {path.stat().st_size} bytes)")
+    if not is_gguf(path):
+        raise ModelLoadError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes, or it "
+                             f"cannot be read ({path.stat().st_size} bytes)")
 
 
 def _index_from_gguf_reader(path: Path) -> dict:
@@ -222,8 +229,8 @@ def _index_from_header(path: Path) -> dict | None:
     GGUFReader (repeated metadata keys or tensor names, a non-string architecture, sizes past 2^63,
     strings running past the file's end) and for a file that sets general.alignment (whose type the walk
     does not keep; GGUFReader takes only a uint32 power of two; none of the packaged models sets it), so
-    such files get GGUFReader's verdict. tests/python/test_gguf_in_place.py holds both readers' dicts equal on files of
-    every type the kernels read."""
+    such files get GGUFReader's verdict. tests/python/test_gguf_in_place.py holds both readers' dicts
+    equal on files of every type the kernels read."""
     import math
     import struct
 
@@ -239,7 +246,8 @@ def _index_from_header(path: Path) -> dict | None:
         if (len(metadata) != metadata_count or not isinstance(architecture, str) or pos > len(blob)
                 or "general.alignment" in metadata or len({name for name, *_ in entries}) != len(entries)):
             return None
-        data_start = (pos + 31) // 32 * 32  # GGUF's default alignment
+        alignment = gguf.GGUF_DEFAULT_ALIGNMENT  # general.alignment unset (above)
+        data_start = (pos + alignment - 1) // alignment * alignment
         tensors = []
         for name, shape, ggml_type, offset in entries:  # shape in numpy order, as gguf-py's data arrays
             qtype = gguf.GGMLQuantizationType(ggml_type)

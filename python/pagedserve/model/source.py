@@ -60,15 +60,6 @@ class ModelSource:
         return str(metadata_dir(self.gguf)) if self.kind == "gguf" else self.path
 
 
-def _is_gguf(path: Path) -> bool:
-    """Whether the file starts with GGUF's magic bytes."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def resolve_source(model: str | None) -> ModelSource:
     """Maps ``--model`` to its source.
 
@@ -82,7 +73,9 @@ def resolve_source(model: str | None) -> ModelSource:
     if model is None or (model in PACKAGED_MODELS and not Path(model).is_dir()):
         packaged = PACKAGED_MODELS[model or DEFAULT_MODEL]
         return ModelSource("gguf", str(packaged.locate()), packaged.served_name)
-    if model.lower().endswith(".gguf") or (Path(model).is_file() and _is_gguf(Path(model))):
+    from .gguf_format import is_gguf
+
+    if model.lower().endswith(".gguf") or (Path(model).is_file() and is_gguf(Path(model))):
         if not Path(model).is_file():
             raise FileNotFoundError(f"no GGUF file at {model}")
         return ModelSource("gguf", str(Path(model).resolve()), Path(model).stem)

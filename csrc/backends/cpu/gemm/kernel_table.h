@@ -75,6 +75,8 @@ constexpr int kU4KNibbles = 32;    // byte offset of an u4k tile's nibbles
 constexpr int kU4KSuperBytes = 128; // a row group's super-block scales: float d[16], nm[16]
 constexpr int kI6FNibbles = 128;   // byte offsets in an i6f tile: the nibbles, then the 2-bit fields
 constexpr int kI6FHigh = 384;
+constexpr int k5FNibbles = 128;    // byte offsets in an u5f tile: the nibbles, then the high bits
+constexpr int k5FHigh = 384;
 constexpr int kF32TileBytes = 2048; // 16 rows x 32 float
 constexpr int kF16TileBytes = 1024; // 16 rows x 32 half or bfloat16 (f16 and bf16 tiles)
 

@@ -102,8 +102,6 @@ template <TileFormat Q>
 constexpr bool five_bit() {
   return Q == TileFormat::kU5F;
 }
-constexpr int k5FNibbles = 128;
-constexpr int k5FHigh = 384;
 // Byte offset of the nibbles (q4_1's order) in a tile of the 4-bit formats (q4_1, u4k).
 template <TileFormat Q>
 constexpr int nibbles_at() {

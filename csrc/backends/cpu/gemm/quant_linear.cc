@@ -215,7 +215,9 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
       // tile byte of row j is written once, whole (the tiles start zeroed only for the padding rows' sake)
       const int8_t* q = qs.data() + b * kQBlock;
       const auto v = [&](int e) { return static_cast<unsigned>(q[e] + (format_ == TileFormat::kI6F ? 32 : 0)); };
-      const int nibbles = format_ == TileFormat::kU4K ? kU4KNibbles : format_ == TileFormat::kU5F ? 128 : kI6FNibbles;
+      const int nibbles = format_ == TileFormat::kU4K   ? kU4KNibbles
+                          : format_ == TileFormat::kU5F ? k5FNibbles
+                                                        : kI6FNibbles;
       for (int p = 0; p < 4; ++p) {  // q4_1's nibble order: element 4 p + c low, 16 + 4 p + c high
         for (int c = 0; c < 4; ++c) {
           t[nibbles + 64 * p + 4 * j + c] = static_cast<uint8_t>((v(4 * p + c) & 0x0Fu) | (v(16 + 4 * p + c) & 0x0Fu) << 4);
@@ -237,7 +239,7 @@ void QuantizedWeight::repack_decoded(const uint8_t* raw) {
         std::memcpy(t + 64 + 4 * j, &m[static_cast<size_t>(2 * b)], 4);
         uint32_t high = 0;
         for (int e = 0; e < kQBlock; ++e) high |= (v(e) >> 4 & 1u) << e;
-        std::memcpy(t + 384 + 4 * j, &high, 4);
+        std::memcpy(t + k5FHigh + 4 * j, &high, 4);
         continue;
       }
       // i6f: a scale per 16 elements; the 2-bit fields of elements 4 p + c and 16 + 4 p + c (p = 2 s, 2 s + 1)
@@ -293,9 +295,9 @@ void QuantizedWeight::dequantize_row(int64_t row, float* dst) const {
       uint32_t high = 0;
       std::memcpy(&d, t + 4 * j, 4);
       std::memcpy(&m, t + 64 + 4 * j, 4);
-      std::memcpy(&high, t + 384 + 4 * j, 4);
+      std::memcpy(&high, t + k5FHigh + 4 * j, 4);
       for (int e = 0; e < kQBlock; ++e) {
-        const uint8_t byte = t[128 + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
+        const uint8_t byte = t[k5FNibbles + 64 * ((e & 15) >> 2) + 4 * j + (e & 3)];
         const int v = (e < 16 ? byte & 0x0F : byte >> 4) | static_cast<int>((high >> e) & 1u) << 4;
         const float prod = d * static_cast<float>(v);
         dst[e] = prod + m;  // two roundings, the first exact (gguf_types.h)
