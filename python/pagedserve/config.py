@@ -21,6 +21,10 @@ _CXX = _core.SchedulerConfig()  # the C++ struct's defaults
 _INT32_MAX = 2**31 - 1
 _KINDS = {"str": str, "str | None": str, "int": int, "int | None": int, "bool": bool, "float": (int, float)}
 
+# the linear layers' methods by name (EngineArgs.linear_impl); the last two are lossy (--quantization)
+QUANTIZATIONS = ("q4", "int8")
+LINEAR_METHODS = ("auto", "gguf", "torch", "onednn", *QUANTIZATIONS)
+
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
 
 
@@ -89,17 +93,14 @@ class EngineArgs:
         "attention kernels (pagedserve.kernels registry; auto = the best available here)",
         choices=_backend_choices))
     linear_impl: str = field(default="auto", metadata=_arg(
-        "GEMM path of the linear layers on CPU: auto = the fastest correct one measured on this machine at "
-        "start-up (cached per machine), torch = torch's default GEMM, onednn = oneDNN with pre-packed weights, "
-        "gguf = float32 only, for a model loaded from a GGUF file: every call reads the file's own Q4_1/Q8_0 "
-        "blocks and expands them exactly to the float32 weights, and no dense copy is kept (auto takes this for "
-        "the row counts where it measures faster, for every call where that is all of them)",
-        choices=["auto", "torch", "onednn", "gguf"]))
-    quantization: str = field(default="none", metadata=_arg(
-        "run the linear layers on quantised weights (CPU): q4 = the GGUF's own Q4_1 blocks (llama.cpp's format; a "
-        "float checkpoint is quantised to Q4_1) with its Q8_0 output layer, int8 = Q8_0 blocks (8-bit, a scale per "
-        "32 weights); activations are quantised per row to int8 in groups of 32. none = the model's dtype",
-        choices=["none", "q4", "int8"]))
+        "the linear layers' method (one option; --quantization q4|int8 is vLLM's spelling of the same choice): "
+        "auto = exact: a GGUF's own blocks expanded to float32 in registers where the model comes from a GGUF "
+        "file, else the model's float weights in our GEMM's tiles (batch invariance) or on the GEMM path measured "
+        "fastest here (cached per machine); gguf = the GGUF's blocks for every call (error without a GGUF file); "
+        "torch = torch's default GEMM on the float weights; onednn = oneDNN with pre-packed float weights; q4 = "
+        "lossy, opt-in: the GGUF's own blocks of any type (a float checkpoint's layers quantised to Q4_1, the "
+        "output layer to Q8_0), int8 activations in groups of 32; int8 = the same with Q8_0 blocks",
+        choices=list(LINEAR_METHODS)))
     model_impl: str = field(default="auto", metadata=_arg(
         "decoder forward: auto = PagedServe's lean forward where the architecture has one (Llama), else the "
         "Hugging Face modules (Gemma 3, Qwen 2/3: under the native step where it applies); pagedserve = the lean "
@@ -113,7 +114,7 @@ class EngineArgs:
     batch_invariant: bool = field(default=True, metadata=_arg(
         "a request's logits do not depend on what else its steps hold (the cpu backend's attention: a step of few "
         "sequences is split over query heads; a GGUF's blocks serve every call size, in float32 and bfloat16; "
-        "--quantization keeps large calls on the integer kernel); --no-batch-invariant lets a long decode in such a "
+        "--linear-impl q4|int8 keeps large calls on the integer kernel); --no-batch-invariant lets a long decode in such a "
         "step be split along the KV length instead (flash-decoding), faster there (SmolLM2 at 1,500 tokens, one "
         "user: ~10 vs ~12 ms per token) but the merge rounds differently than a whole pass, and lets large calls "
         "take a measured library GEMM (bfloat16: 1.8x the throughput). A float checkpoint's library GEMMs are "
@@ -172,7 +173,16 @@ class EngineArgs:
         "chat template replacing the model's: a Jinja file, or a template PagedServe ships: chatml-tools "
         "(ChatML with tool calls, for ChatML models whose own template has no tool format, e.g. SmolLM2)"))
 
-    def __post_init__(self) -> None:
+    quantization: dataclasses.InitVar[str | None] = None  # vLLM's name for linear_impl q4 | int8 (not a field)
+
+    def __post_init__(self, quantization: str | None = None) -> None:
+        if quantization not in (None, "none"):  # the same option under vLLM's name; "none": the default method
+            if quantization not in QUANTIZATIONS:
+                raise ValueError(f"quantization must be one of none, {', '.join(QUANTIZATIONS)}, got {quantization!r}")
+            if self.linear_impl not in ("auto", quantization):
+                raise ValueError(f"quantization {quantization} and linear_impl {self.linear_impl} name two linear "
+                                 f"methods: give one (linear_impl {quantization} is quantization {quantization})")
+            self.linear_impl = quantization
         for f in dataclasses.fields(self):  # types first: 16.0 or "16" must not pass for 16
             v, kind = getattr(self, f.name), _KINDS[f.type]
             if f.name == "kv_cache_memory" and isinstance(v, str):
@@ -237,9 +247,13 @@ class EngineArgs:
                 kw["type"] = cli.pop("type", None) or (int if f.type in ("int", "int | None") else str)
                 kw.update(cli)
             group.add_argument(flag, **kw)
+        group.add_argument("--quantization", dest="quantization", default=None, choices=["none", *QUANTIZATIONS],
+                           help="vLLM's spelling of --linear-impl q4|int8 (none: the default method); refused "
+                                "beside another --linear-impl")
         return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
         """The EngineArgs of parsed CLI flags (other attributes of ``args`` ignored)."""
-        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)},
+                   quantization=getattr(args, "quantization", None))

@@ -17,7 +17,7 @@ class LLM:
     Takes keyword arguments only, the fields of pagedserve.config.EngineArgs
     (model, dtype, device, block_size, num_kv_blocks, kv_cache_memory,
     enable_prefix_caching, max_num_seqs, max_num_batched_tokens, max_model_len,
-    attention_backend, linear_impl, quantization, model_impl, skip_tokenizer_init, served_model_name,
+    attention_backend, linear_impl (``quantization="q4"`` is vLLM's spelling of linear_impl="q4"), model_impl, skip_tokenizer_init, served_model_name,
     chat_template),
     with the same defaults as the server's flags. ``LLM()`` serves the default
     SmolLM2-135M-Instruct.

@@ -51,6 +51,24 @@ def test_bad_values_are_refused():
         build_parser().parse_args(["--attention-backend", "nope"])
 
 
+def test_the_linear_method_is_one_option_with_vllms_quantization_as_its_other_spelling():
+    """--linear-impl names every linear method; --quantization q4|int8 (vLLM's flag, LLM's quantization=
+    keyword) sets that same option, and naming two different methods is refused by name."""
+    parse = build_parser().parse_args
+    assert EngineArgs.from_cli_args(parse(["--quantization", "q4"])).linear_impl == "q4"
+    assert EngineArgs.from_cli_args(parse(["--linear-impl", "int8"])).linear_impl == "int8"
+    assert EngineArgs.from_cli_args(parse(["--quantization", "int8", "--linear-impl", "int8"])).linear_impl == "int8"
+    assert EngineArgs.from_cli_args(parse(["--quantization", "none"])).linear_impl == "auto"
+    assert EngineArgs(quantization="q4").linear_impl == "q4"
+    assert "quantization" not in {f.name for f in dataclasses.fields(EngineArgs)}  # one field, not two
+    with pytest.raises(ValueError, match="name two linear methods"):
+        EngineArgs.from_cli_args(parse(["--quantization", "q4", "--linear-impl", "torch"]))
+    with pytest.raises(ValueError, match="quantization must be one of"):
+        EngineArgs(quantization="q3")
+    with pytest.raises(ValueError, match="linear_impl must be one of"):
+        EngineArgs(linear_impl="q3")
+
+
 def test_llm_takes_keywords_only():
     with pytest.raises(TypeError):
         LLM("some-model")

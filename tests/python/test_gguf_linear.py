@@ -121,7 +121,7 @@ def test_a_layer_whose_blocks_are_not_the_weights_stays_dense(gguf, smollm2_dir)
     log = table.summary().splitlines()
     assert log[0] == ("self_attn.q_proj+self_attn.k_proj+self_attn.v_proj x3: torch (float32 weights, torch's "
                       "default GEMM; declined: gguf: the GGUF's blocks are not the model's float32 weights)"), log
-    assert log[1] == "self_attn.o_proj x1: gguf (Q4_1 blocks expanded exactly to float32)", log
+    assert log[1] == "self_attn.o_proj x1: gguf (Q4_1 blocks expanded exactly to float32; calls of every size)", log
     assert log[2].startswith("lm_head x1: gguf (Q8_0 blocks"), log
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pagedserve.model.linear import DenseMethod, LinearChoice
-from pagedserve.model.linear_method import LinearMethod, LinearMethodTable, layer_type
+from pagedserve.model.linear_method import LinearLayer, LinearMethod, LinearMethodTable, layer_type
 
 
 class OnlyMlp(LinearMethod):
@@ -64,7 +64,8 @@ def test_each_layer_goes_to_the_first_method_that_takes_it_and_the_log_says_why(
         "self_attn.q_proj x2: torch (float32 weights, torch's default GEMM; declined: only_mlp: not an MLP layer)",
         "mlp.up_proj x2: only_mlp (doubled)",
     ]
-    assert "mlp.up_proj x2: only_mlp (doubled; 4 rows)" in table.summary({"only_mlp": "4 rows"})
+    table.methods[0].note = lambda: "4 rows"  # what a method adds once its layers are settled (LinearMethod.note)
+    assert "mlp.up_proj x2: only_mlp (doubled; 4 rows)" in table.summary()
 
 
 def test_fused_parts_are_one_layer_of_one_type_and_a_table_nobody_takes_raises():
@@ -79,3 +80,54 @@ def test_fused_parts_are_one_layer_of_one_type_and_a_table_nobody_takes_raises()
         LinearMethodTable([OnlyMlp()])([a], names[:1])
     with pytest.raises(ValueError, match="at least one method"):
         LinearMethodTable([])
+
+
+class Blocky(LinearLayer):
+    """A layer of a method the engine has never seen: it holds 1,000 bytes outside its tensors and its rows
+    depend on the call's size (as a library GEMM's do)."""
+
+    row_invariant = False
+
+    def __init__(self, linear):
+        super().__init__()
+        self.inner = linear  # its own fallback module, counted with it (not listed twice)
+
+    @property
+    def nbytes(self):
+        return 1000
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class BlockyMethod(LinearMethod):
+    name = "blocky"
+
+    def build(self, linears, names):
+        dense, _ = DenseMethod(LinearChoice("torch", "test")).build(linears, names)
+        return Blocky(dense), "blocks of a kind nobody knows"
+
+    @property
+    def serves(self):
+        return False  # the table's serving path is then the next method's
+
+
+def test_what_a_layer_answers_is_all_the_engine_asks_of_it():
+    """prepare's accounts read the LinearLayer answers, never a layer's class: a new method's layer is
+    counted in the weights' bytes and named among the library GEMMs by what it says; the serving method is
+    the first that serves."""
+    from pagedserve.model.prepare import dense_gemm_layers, weight_bytes
+
+    model = tiny()
+    plain = weight_bytes(model)
+    table = LinearMethodTable([BlockyMethod(), DenseMethod(LinearChoice("torch", "test"))])
+    assert table.install(model) == 5 and table.serving.name == "torch"
+    assert weight_bytes(model) == plain + 5 * 1000
+    listed = dense_gemm_layers(model)
+    assert "lm_head" in listed and "model.layers.0.mlp.up_proj" in listed
+    assert not any(name.endswith(".inner") for name in listed)  # a layer's own fallback is the layer's
+    Blocky.row_invariant = True
+    try:
+        assert dense_gemm_layers(model) == ["model.layers.0.mlp.other"]  # the untouched nn.Linear subclass
+    finally:
+        Blocky.row_invariant = False

@@ -15,7 +15,7 @@ many PagedServe outputs equal static batching's.
 
     pagedserve bench throughput [--num-requests 32] [--prompt-len 64] [--output-len 64] [--skip-sequential]
                                 [--repeat R] [--dtype auto|float32|bfloat16] [--quantization none|q4|int8]
-                                [--linear-impl auto|torch|onednn] [--model-impl auto|pagedserve|transformers]
+                                [--linear-impl auto|gguf|torch|onednn|q4|int8] [--model-impl auto|pagedserve|transformers]
                                 [--plot PATH] [--constrained K]
 
 (from a checkout, ``python bench/throughput.py`` takes the same flags)
@@ -46,6 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
+from pagedserve.config import LINEAR_METHODS, QUANTIZATIONS
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
 from pagedserve.experiments import plots
@@ -162,8 +163,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", *backend_names()])
-    ap.add_argument("--linear-impl", default="auto", choices=["auto", "torch", "onednn", "gguf"],
-                    help="PagedServe's GEMM path (auto: measured at start-up; the table names the one chosen)")
+    ap.add_argument("--linear-impl", default="auto", choices=list(LINEAR_METHODS),
+                    help="PagedServe's linear method (auto: measured at start-up; the table names the one chosen; "
+                         "q4|int8: quantised, as --quantization)")
     ap.add_argument("--model-impl", default="auto", choices=["auto", "pagedserve", "transformers"],
                     help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")
     ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
@@ -171,9 +173,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                          "default: float32, or with --quantization the engine's default (auto: bfloat16 where the "
                          "CPU has native bf16); with bfloat16 the outputs are no longer float32's and the accuracy "
                          "figures are printed")
-    ap.add_argument("--quantization", default="none", choices=["none", "q4", "int8"],
-                    help="PagedServe on quantised weights (q4: the GGUF's own Q4_1 blocks); also prints accuracy "
-                         "figures: greedy agreement with the float32 path and perplexity on a fixed text")
+    ap.add_argument("--quantization", default="none", choices=["none", *QUANTIZATIONS],
+                    help="vLLM's spelling of --linear-impl q4|int8: PagedServe on quantised weights (q4: the GGUF's "
+                         "own Q4_1 blocks); also prints accuracy figures: greedy agreement with the float32 path and "
+                         "perplexity on a fixed text")
     ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
                     help="PagedServe's --batch-invariant (default on): --no-batch-invariant measures what it costs")
     ap.add_argument("--skip-sequential", action="store_true", help="skip the slow one-at-a-time baseline")
@@ -194,12 +197,17 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
     plots.require_writable(ap, args.plot)
 
+    if args.quantization != "none":  # one option: the engine refuses two different methods by name
+        if args.linear_impl not in ("auto", args.quantization):
+            ap.error(f"--quantization {args.quantization} and --linear-impl {args.linear_impl} name two methods")
+        args.linear_impl = args.quantization
+    args.quantization = args.linear_impl if args.linear_impl in QUANTIZATIONS else "none"
     if args.dtype is None:
         args.dtype = "float32" if args.quantization == "none" else "auto"
     # prefix caching off: --repeat sends the same prompts again (and the warm-up sends four of them), and a
     # cache hit would skip prefill that static batching has to redo; the prompts share no prefix otherwise
     llm = LLM(model=args.model, dtype=args.dtype, attention_backend=args.attention_backend,
-              linear_impl=args.linear_impl, model_impl=args.model_impl, quantization=args.quantization,
+              linear_impl=args.linear_impl, model_impl=args.model_impl,
               enable_prefix_caching=False, batch_invariant=args.batch_invariant)
     # the same weights, loaded as a plain Hugging Face model (HF attention, default GEMMs; a GGUF converted to a
     # float32 folder once for it: the engine reads the file in place)

@@ -26,7 +26,7 @@ import torch
 from transformers import AutoConfig
 
 from .. import _core
-from ..config import EngineArgs
+from ..config import QUANTIZATIONS, EngineArgs
 from ..errors import ModelLoadError
 from ..hardware import cpu_capabilities, release_free_memory, resolve_dtype
 from ..kernels import resolve_backend
@@ -35,7 +35,7 @@ from ..model.attention import register as register_attention
 from ..model.features import attention_features, dynamic_rope_limit
 from ..model.kv_cache import KVCache
 from ..model.gguf_format import read_tensor_index
-from ..model.gguf_load import load_gguf_in_place, why_not_in_place
+from ..model.gguf_load import InPlaceLoad, load_gguf_in_place, why_not_in_place
 from ..model.loader import LoadedModel, load_config, load_model
 from ..model.prepare import describe_batch_invariance, prepare_in_place, prepare_model
 from ..model.source import ModelSource, resolve_source
@@ -76,7 +76,8 @@ def eos_token_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
-def load_in_place(source: ModelSource, path: str, hf_config, skip_tokenizer_init: bool) -> tuple[LoadedModel, dict]:
+def load_in_place(source: ModelSource, path: str, hf_config,
+                  skip_tokenizer_init: bool) -> tuple[LoadedModel, InPlaceLoad]:
     """The model of a GGUF read in place (gguf_load.load_gguf_in_place) with
     our attention function, and its tokenizer from the file's metadata folder
     ``path`` (None with skip_tokenizer_init). Returns (the LoadedModel, what
@@ -85,14 +86,14 @@ def load_in_place(source: ModelSource, path: str, hf_config, skip_tokenizer_init
 
     attention = register_attention()
     try:
-        model, counts = load_gguf_in_place(source.gguf, hf_config, attn_implementation=attention)
+        model, load = load_gguf_in_place(source.gguf, hf_config, attn_implementation=attention)
     except KeyError as e:  # transformers looks our attention function up by name; some families cannot
         if str(e).strip("'\"") != attention:
             raise
         raise ModelLoadError(f"{source.name}'s architecture does not take a custom attention implementation "
                              f"(transformers' attention interface), which PagedServe plugs into") from e
     tokenizer = None if skip_tokenizer_init else AutoTokenizer.from_pretrained(path)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=source.name, path=Path(path)), counts
+    return LoadedModel(model=model, tokenizer=tokenizer, name=source.name, path=Path(path)), load
 
 
 def build_engine(args: EngineArgs) -> EngineParts:
@@ -107,8 +108,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
     parts.dtype, why_dtype = resolve_dtype(args.dtype, args.device)
     source = resolve_source(args.model)
     architecture = read_tensor_index(source.gguf)["architecture"] if source.gguf else ""
-    why_converted = why_not_in_place(source.gguf, architecture, parts.dtype, parts.device, args.linear_impl,
-                                     args.quantization)
+    why_converted = why_not_in_place(source.gguf, architecture, parts.dtype, parts.device, args.linear_impl)
     if why_converted is None:  # config and tokenizer from the file's metadata; the weights read below
         path, name = source.config_path(), source.name
         hf_config = AutoConfig.from_pretrained(path)
@@ -169,8 +169,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
                                     native_step=args.native_step)
     else:
         prepared = prepare_model(parts.model, parts.dtype, parts.device, parts.max_model_len,
-                                 linear_impl=args.linear_impl, quantization=args.quantization,
-                                 model_impl=args.model_impl, gguf_path=source.gguf,
+                                 linear_impl=args.linear_impl, model_impl=args.model_impl, gguf_path=source.gguf,
                                  native_step=args.native_step, batch_invariant=args.batch_invariant)
     parts.linear_impl, parts.linear_path = prepared.linear_impl, prepared.linear_path
     parts.model_impl, parts.weight_bytes = prepared.model_impl, prepared.weight_bytes
@@ -238,7 +237,7 @@ def build_engine(args: EngineArgs) -> EngineParts:
                 if args.scheduling_policy == "memory-aware" else "",
                 args.max_num_seqs, args.max_num_batched_tokens, "on" if args.enable_prefix_caching else "off")
     try:
-        check = startup_check(parts.runner, check_ids, reference, noise, quantized=args.quantization != "none")
+        check = startup_check(parts.runner, check_ids, reference, noise, quantized=args.linear_impl in QUANTIZATIONS)
     except Exception as e:
         raise RuntimeError(f"start-up check step failed with dtype {parts.dtype}, attention backend "
                            f"{backend_cls.name}, linear layers {parts.linear_path} ({type(e).__name__}: {e}); "

@@ -26,6 +26,7 @@ import torch
 from ..kernels import cpu_core
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
 from .linear_method import LinearMethod, fused_bias
+from .settle import settle
 
 # the model dtypes the tiles take, and their QuantizedWeight type
 TILE_QTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -51,20 +52,25 @@ class FloatTilesMethod(LinearMethod):
 
     Args:
         dtype: the model's dtype, torch.float32 or torch.bfloat16 (why_no_tiles).
+        dense: the method that builds the layers it declines (named by describe()), or None.
     Attributes:
         native: layers (before fusion) on the tiles.
         declined: layers declined.
         layers: the GGUFFloatLinear modules built (each serves calls of every size).
+        released: what finish() changed, for the log ("" or "; the embedding read from the tiles ...").
     Raises:
         ValueError: a dtype the tiles do not take.
     """
 
     name = "tiles"
+    ours = True
+    native_step = True
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, dense: LinearMethod | None = None) -> None:
         if dtype not in TILE_QTYPES:
             raise ValueError(why_no_tiles(dtype, torch.device("cpu")))
-        self.dtype, self.qtype = dtype, TILE_QTYPES[dtype]
+        self.dtype, self.qtype, self.dense = dtype, TILE_QTYPES[dtype], dense
+        self.released = ""
         self.native, self.declined = 0, 0
         self.layers: list[GGUFFloatLinear] = []
         self.tied_source: torch.Tensor | None = None  # the weight the output layer ("lm_head") was built from
@@ -102,7 +108,7 @@ class FloatTilesMethod(LinearMethod):
         bfloat16 values is exact in float32), so that rounded scale is the one
         passed."""
         weight = getattr(embed, "weight", None)
-        if not isinstance(lm_head, GGUFFloatLinear) or lm_head not in self.layers or weight is None:
+        if weight is None or not any(lm_head is layer for layer in self.layers):
             return None
         if self.tied_source is not weight:
             return None
@@ -110,3 +116,32 @@ class FloatTilesMethod(LinearMethod):
         if scale is not None:
             scale = torch.as_tensor(scale).detach().to(self.dtype).float()
         return GGUFEmbedding(lm_head.weight_blocks, scale, self.dtype)
+
+    @property
+    def serves(self) -> bool:
+        """LinearMethod.serves: some layer is on the tiles."""
+        return bool(self.layers)
+
+    def finish(self, model: torch.nn.Module, lean) -> None:
+        """LinearMethod.finish: the embedding becomes lookups in the tied output
+        layer's tiles where they give its values (tied_embedding), and the
+        model's remaining tensors get memory of their own (settle)."""
+        if not self.layers:
+            return
+        embedding = self.tied_embedding(model.get_input_embeddings(), model.lm_head)
+        settle(model, lean, embedding)
+        if embedding is not None:
+            self.released = "; the embedding read from the tiles of the tied output layer"
+
+    def describe(self) -> str:
+        """LinearMethod.describe: the layers on the tiles, and what serves the others."""
+        rest = self.dense.describe() if self.dense is not None else "the table's next method"
+        if not self.layers:
+            return rest
+        return (f"tiles: {self.native} layers on the model's own {str(self.dtype).removeprefix('torch.')} weights "
+                f"in our exact GEMM's tiles, calls of every size (batch invariance; --no-batch-invariant takes the "
+                f"measured library GEMM){self.released}; {self.declined} layers dense: {rest}")
+
+    def note(self) -> str | None:
+        """LinearMethod.note: the tiles serve every call."""
+        return "calls of every size" if self.layers else None

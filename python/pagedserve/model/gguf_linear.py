@@ -29,7 +29,8 @@ import torch
 from ..kernels import cpu_core
 from . import tuner
 from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks, raw_bytes
-from .linear_method import LinearMethod, fused_bias
+from .linear_method import LinearLayer, LinearMethod, fused_bias
+from .settle import settle
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +67,7 @@ class GGUFTuning:
     source: str
 
 
-class GGUFFloatLinear(torch.nn.Module):
+class GGUFFloatLinear(LinearLayer):
     """x [..., in_features] float32 or bfloat16 -> [..., out_features] in x's
     dtype = x @ W.T + b with W the GGUF blocks' exact float32 values: calls of
     at most ``max_rows`` rows run QuantizedWeight.linear_f32 on the blocks
@@ -93,6 +94,17 @@ class GGUFFloatLinear(torch.nn.Module):
     def nbytes(self) -> int:
         """Bytes of the weight blocks (as the kernel stores them)."""
         return self.weight_blocks.nbytes
+
+    @property
+    def row_invariant(self) -> bool:
+        """LinearLayer.row_invariant: the blocks serve every call (no dense layer
+        takes the larger ones)."""
+        return self.dense is None or self.max_rows >= UNBOUNDED_ROWS
+
+    @property
+    def float_logits(self) -> bool:
+        """LinearLayer.float_logits: the blocks serve every call (the dense layer computes in the model's dtype)."""
+        return self.dense is None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)  # a decode step's calls are 2-D already
@@ -232,24 +244,36 @@ class GGUFFloatMethod(LinearMethod):
         max_rows: GGUFFloatLinear.max_rows of the layers built (tune() measures it).
         dtype: the model's dtype (torch.float32 or torch.bfloat16: the layers take it, the blocks are
             checked against it, the measurement runs in it).
+        measure: finish() measures the row bound (--linear-impl auto); False: the blocks serve every
+            call (--linear-impl gguf).
+        batch_invariant: finish() keeps every call on the blocks whatever the measurement (a library
+            GEMM's bits depend on the call's rows).
     Attributes:
         native: layers (before fusion) that run on the GGUF's blocks.
         declined: layers the file holds that it declined (blocks of a type
             the kernels do not read, or not the same values; layers the file
             has no tensor for are not counted).
         layers: the GGUFFloatLinear modules built.
+        tuning: finish()'s measurement (GGUFTuning), or None.
+        invariance_cost: batch invariance kept the blocks though the dense path measured much faster.
+        released: what finish() dropped and moved, for the log ("" when nothing).
     """
 
     name = "gguf"
+    ours = True
+    native_step = True
 
     def __init__(self, gguf: GGUFBlocks, config, dense: LinearMethod, max_rows: int = FORCED_MAX_ROWS,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, measure: bool = False, batch_invariant: bool = True) -> None:
         self.gguf, self.dense, self.max_rows, self.dtype = gguf, dense, max_rows, dtype
+        self.measure, self.batch_invariant = measure, batch_invariant
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         self.native, self.declined = 0, 0
         self.layers: list[GGUFFloatLinear] = []
+        self.tuning: GGUFTuning | None = None
+        self.invariance_cost, self.released = False, ""
 
     def _why_not(self, linears: list[torch.nn.Linear], names: list[str], parts) -> str | None:
         for lin, name, part in zip(linears, names, parts):
@@ -340,6 +364,63 @@ class GGUFFloatMethod(LinearMethod):
         return GGUFTuning(ms, "measured" if measured.trusted else f"measured, not cached: {measured.why_not}")
 
     @property
+    def serves(self) -> bool:
+        """LinearMethod.serves: some layer is on the blocks and they serve calls of at least one row."""
+        return self.max_rows > 0 and self.native > 0
+
+    def finish(self, model: torch.nn.Module, lean) -> None:
+        """LinearMethod.finish: measures the row bound (where ``measure``; under
+        batch invariance every call stays on the blocks whatever it measured);
+        where the blocks then serve every call of every layer, drops the dense
+        copies and moves the embedding onto the blocks (settle); where they
+        serve no call, the lean decoder's native step (built on them) goes too."""
+        if self.measure and self.layers:
+            self.tuning = self.tune()
+            if self.batch_invariant and self.max_rows < UNBOUNDED_ROWS:
+                self.invariance_cost = self.max_rows == 0
+                self.set_max_rows(UNBOUNDED_ROWS)
+        if not self.serves:
+            if lean is not None:
+                lean.native, lean.why_not_native = None, "the dense path measured much faster at one row"
+            return
+        if not (self.serves_all and self.declined == 0):
+            return
+        self.released = f"{self.release_dense()} dense layers dropped"
+        embedding = self.embedding(model.get_input_embeddings(), model.lm_head)
+        if embedding is not None:
+            shared = embedding.weight_blocks is getattr(model.lm_head, "weight_blocks", None)
+            self.released += ", the embedding read from the blocks" + (" of the tied output layer" if shared else "")
+        settle(model, lean, embedding)
+
+    def _rows_served(self) -> str:
+        return "calls of every size" if self.serves_all else f"calls of up to {self.max_rows} rows"
+
+    def describe(self) -> str:
+        """LinearMethod.describe: the layers on the blocks, the calls they serve, the measurement, and what
+        serves the rest."""
+        if not self.serves:
+            return self.dense.describe() + (
+                " (no layer's GGUF blocks are the model's float32 weights)" if self.tuning is None else
+                f" (the dense path measured much faster here, {self.tuning.source}: {self.tuning.ms})")
+        measured = "" if self.tuning is None else (
+            f"; {self.tuning.source}: ms per pass at " + "/".join(map(str, self.tuning.ms["gguf"])) + " rows: " +
+            ", ".join(f"{k} " + "/".join(f"{v:.2f}" for v in t.values()) for k, t in self.tuning.ms.items()))
+        larger = f"no dense copy kept ({self.released})" if self.released else f"larger calls: {self.dense.describe()}"
+        if self.invariance_cost:
+            larger += ("; batch invariance keeps every call on the blocks though the dense path measured much "
+                       "faster here (--no-batch-invariant takes it)")
+        return (f"gguf: {self.native} layers on the GGUF's own blocks expanded exactly to float32 in registers, "
+                f"{self._rows_served()} ({self.declined} layers dense{measured}); {larger}")
+
+    def note(self) -> str | None:
+        """LinearMethod.note: the calls the blocks serve."""
+        if not self.layers:
+            return None
+        if self.max_rows == 0:
+            return "the dense path measured much faster at one row: it serves every call"
+        return self._rows_served() + ("" if self.serves_all else ", larger ones dense")
+
+    @property
     def serves_all(self) -> bool:
         """The blocks serve calls of any size (no measured row count gave them
         up, see row_bound): the dense layers are not needed."""
@@ -365,7 +446,7 @@ class GGUFFloatMethod(LinearMethod):
             return None
         vocab, hidden = embed.weight.shape
         scale = getattr(embed, "embed_scale", None)
-        if (self.tied and isinstance(lm_head, GGUFFloatLinear)
+        if (self.tied and getattr(lm_head, "weight_blocks", None) is not None
                 and self.gguf.gguf_name("lm_head") == "token_embd.weight"):
             # the same tensor's blocks, already checked against the output layer's weight, which is the embedding's
             return GGUFEmbedding(lm_head.weight_blocks, scale, embed.weight.dtype)

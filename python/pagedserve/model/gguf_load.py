@@ -24,16 +24,19 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from ..config import QUANTIZATIONS
 from ..errors import ModelLoadError
 from ..hardware import release_free_memory
 from ..kernels import cpu_core
 from .gguf_format import F32_KERNEL_QTYPES, GGUFBlocks
 from .gguf_linear import UNBOUNDED_ROWS, GGUFEmbedding, GGUFFloatLinear
+from .linear_method import LinearMethod, LinearMethodTable
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +47,14 @@ IN_PLACE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 def why_not_in_place(gguf: Path | None, architecture: str, dtype: torch.dtype, device: torch.device,
-                     linear_impl: str, quantization: str) -> str | None:
+                     linear_impl: str) -> str | None:
     """Why this start cannot read ``gguf`` in place (the file is then converted
     to a float32 folder once, as before), or None if it can.
 
     Args:
         gguf: the GGUF file, or None (a folder or hub id: nothing to read in place).
         architecture: the file's general.architecture.
-        dtype, device, linear_impl, quantization: the engine's resolved arguments.
+        dtype, device, linear_impl: the engine's resolved arguments.
     """
     if gguf is None:
         return "not a GGUF file"
@@ -60,8 +63,8 @@ def why_not_in_place(gguf: Path | None, architecture: str, dtype: torch.dtype, d
     if dtype != torch.float32:
         return (f"--dtype {str(dtype).removeprefix('torch.')}: the model's other tensors come from a converted "
                 "float copy (its linear layers still read the file's blocks where they are exact)")
-    if quantization != "none":
-        return (f"--quantization {quantization} builds its layers beside a converted float copy (the file's own "
+    if linear_impl in QUANTIZATIONS:
+        return (f"--linear-impl {linear_impl} builds its layers beside a converted float copy (the file's own "
                 "blocks where its kernels read them, the rest quantised from that copy)")
     if linear_impl not in ("auto", "gguf"):
         return f"--linear-impl {linear_impl} computes on float weights"
@@ -135,15 +138,105 @@ def _read_weight(blocks: GGUFBlocks, gname: str, num_heads: int, num_kv_heads: i
     return cpu_core.QuantizedWeight(raw, qtype, out_features, in_features)
 
 
-def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module, dict]:
+class FileBlocksMethod(LinearMethod):
+    """The linear method of a GGUF read in place: a layer's tensor read from
+    the file (pread), its rows put in Hugging Face's order, repacked into the
+    kernel's layout (QuantizedWeight) and served by a GGUFFloatLinear for
+    calls of every size (no dense copy exists). Declines a tensor of a type
+    the kernels do not read (not in F32_KERNEL_QTYPES). Safe to call from
+    several threads at once (the table's loader does).
+
+    Args:
+        blocks: the file's GGUFBlocks.
+        plan: {layer name: (GGUF tensor name, bias [out] float32 or None)}.
+        num_heads, num_kv_heads: the config's (llama.cpp's rotary row order of q and k).
+    Raises (build): ModelLoadError for a tensor of another row count than the layer.
+    """
+
+    name = "gguf"
+    ours = True
+    native_step = True
+
+    def __init__(self, blocks: GGUFBlocks, plan: dict, num_heads: int, num_kv_heads: int) -> None:
+        self.blocks, self.plan, self.num_heads, self.num_kv_heads = blocks, plan, num_heads, num_kv_heads
+
+    def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
+        """See LinearMethod.build (one part: the loader builds each layer alone)."""
+        (linear,), (name,) = linears, names
+        gname, bias = self.plan[name]
+        qtype = self.blocks.index[gname][4]
+        if qtype not in F32_KERNEL_QTYPES:
+            return None, f"{qtype.upper()} is not a type the kernels read"
+        weight = _read_weight(self.blocks, gname, self.num_heads, self.num_kv_heads, name, linear.out_features,
+                              linear.in_features)
+        return GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS), f"{qtype.upper()} blocks, read in place"
+
+    def note(self) -> str | None:
+        """LinearMethod.note: the blocks serve every call."""
+        return "calls of every size"
+
+
+class FileDequantizedMethod(LinearMethod):
+    """The fallback of a GGUF read in place: a layer whose tensor the kernels
+    do not read (Q2_K, Q3_K, the IQ types) de-quantised by gguf-py into a
+    float32 ``nn.Linear`` of its own (torch's GEMM). Takes every layer.
+
+    Args:
+        blocks, plan: as FileBlocksMethod's.
+        processor, config_dict: transformers' tensor processor of the architecture and the config as a dict.
+    """
+
+    name = "torch"
+
+    def __init__(self, blocks: GGUFBlocks, plan: dict, processor, config_dict: dict) -> None:
+        self.blocks, self.plan, self.processor, self.config_dict = blocks, plan, processor, config_dict
+
+    def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module, str]:
+        """See LinearMethod.build; never declines."""
+        (linear,), (name,) = linears, names
+        gname, bias = self.plan[name]
+        dense = torch.nn.Linear(linear.in_features, linear.out_features, bias=bias is not None)
+        dense.weight = torch.nn.Parameter(_small_tensor(self.blocks, gname, self.processor, self.config_dict,
+                                                        (linear.out_features, linear.in_features)),
+                                          requires_grad=False)
+        if bias is not None:
+            dense.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return dense, "de-quantised float32, torch's GEMM"
+
+
+@dataclass
+class InPlaceLoad:
+    """What load_gguf_in_place built.
+
+    Attributes:
+        table: the decision table its linear layers were built by
+            ([FileBlocksMethod, FileDequantizedMethod]; summary() is the log's).
+        embedding: "blocks" (lookups in the file's blocks) or "dense".
+    """
+
+    table: LinearMethodTable
+    embedding: str
+
+    @property
+    def blocks(self) -> int:
+        """Linear layers on the file's blocks."""
+        return self.table.built(FileBlocksMethod.name)
+
+    @property
+    def dense(self) -> int:
+        """Linear layers de-quantised to float32."""
+        return self.table.built(FileDequantizedMethod.name)
+
+
+def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = None) -> tuple[torch.nn.Module,
+                                                                                          InPlaceLoad]:
     """Builds the transformers causal LM of ``config`` (read from ``gguf``'s
     metadata: source.metadata_dir) on ``gguf``'s own tensors, in float32 on
     the CPU, in eval mode.
 
     Returns:
-        (model, counts): counts {"blocks": linear layers on the file's blocks,
-        "dense": linear layers de-quantised (a type the kernels do not read),
-        "embedding": "blocks" or "dense"}.
+        (model, InPlaceLoad): what the decision table of FileBlocksMethod and
+        FileDequantizedMethod built, and what the embedding is on.
     Raises:
         ModelLoadError naming the tensors when the file lacks a tensor the
         model needs or holds one of another shape.
@@ -163,8 +256,8 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
     num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
     names, processor = _gguf_names(model, arch, config)
     config_dict = config.to_dict()
-    counts = {"blocks": 0, "dense": 0, "embedding": "dense"}
     trim = _Trim()
+    embedding_on = "dense"
     missing: list[str] = []
 
     def tensor_for(hf_name: str) -> str | None:
@@ -177,8 +270,7 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
     embed = model.get_input_embeddings()
     tied = bool(getattr(text, "tie_word_embeddings", False)) or "output.weight" not in blocks.index
     embed_name = next(n for n, m in model.named_modules() if m is embed)
-    # each tensor read (pread) and repacked (QuantizedWeight's constructor) on a worker: both release the GIL
-    jobs = []
+    jobs, plan = [], {}  # the linear layers: (module, child name, the meta nn.Linear, name); {name: (tensor, bias)}
     for qual, module in list(model.named_modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is not torch.nn.Linear:
@@ -196,44 +288,37 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
                 bname = tensor_for(f"{name}.bias")
                 bias = None if bname is None else _small_tensor(blocks, bname, processor, config_dict,
                                                                 (child.out_features,))
-            if blocks.index[gname][4] in F32_KERNEL_QTYPES:
-                jobs.append((module, child_name, bias, (blocks, gname, num_heads, num_kv_heads, name,
-                                                        child.out_features, child.in_features)))
-            else:  # a type the kernels do not read: this layer alone in float32
-                dense = torch.nn.Linear(child.in_features, child.out_features, bias=bias is not None)
-                dense.weight = torch.nn.Parameter(
-                    _small_tensor(blocks, gname, processor, config_dict, (child.out_features, child.in_features)),
-                    requires_grad=False)
-                if bias is not None:
-                    dense.bias = torch.nn.Parameter(bias, requires_grad=False)
-                setattr(module, child_name, dense)
-                counts["dense"] += 1
-    # the large tensors (an embedding-sized output layer) one at a time, so no two large read buffers and
-    # repacking scratches coexist; the rest on the workers
-    def install(job, weight) -> None:
-        module, child_name, bias, _ = job
-        trim.add(weight.nbytes)
-        setattr(module, child_name, GGUFFloatLinear(weight, bias, None, UNBOUNDED_ROWS))
-        counts["blocks"] += 1
+            plan[name] = (gname, bias)
+            jobs.append((module, child_name, child, name))
+    table = LinearMethodTable([FileBlocksMethod(blocks, plan, num_heads, num_kv_heads),
+                               FileDequantizedMethod(blocks, plan, processor, config_dict)])
 
-    large = [blocks.index[args[1]][1] >= TRIM_BYTES for *_, args in jobs]
+    def install(job, layer) -> None:
+        module, child_name, _, _ = job
+        trim.add(getattr(layer, "nbytes", 0))
+        setattr(module, child_name, layer)
+
+    # the large tensors (an embedding-sized output layer) one at a time, so no two large read buffers and
+    # repacking scratches coexist; the rest on the workers: each tensor read (pread) and repacked
+    # (QuantizedWeight's constructor) there, both release the GIL
+    large = [blocks.index[plan[name][0]][1] >= TRIM_BYTES for *_, name in jobs]
     for job in (j for j, is_large in zip(jobs, large) if is_large):
-        install(job, _read_weight(*job[3]))
+        install(job, table([job[2]], [job[3]]))
     with ThreadPoolExecutor(max_workers=max(1, min(os.cpu_count() or 1, LOAD_THREADS))) as pool:
-        futures = [(j, pool.submit(_read_weight, *j[3])) for j, is_large in zip(jobs, large) if not is_large]
+        futures = [(j, pool.submit(table, [j[2]], [j[3]])) for j, is_large in zip(jobs, large) if not is_large]
         for job, future in futures:  # in order, as each is read and repacked
             install(job, future.result())
     lm_head = model.get_output_embeddings()
     entry = blocks.index.get("token_embd.weight")
     if entry is not None and entry[4] in F32_KERNEL_QTYPES:
         scale = getattr(embed, "embed_scale", None)
-        if tied and isinstance(lm_head, GGUFFloatLinear):
+        if tied and getattr(lm_head, "weight_blocks", None) is not None:
             weight = lm_head.weight_blocks  # one copy of the blocks for both
         else:
             raw, qtype = blocks.rows("token_embd.weight")
             weight = cpu_core.QuantizedWeight(raw, qtype, embed.num_embeddings, embed.embedding_dim)
         model.set_input_embeddings(GGUFEmbedding(weight, scale, torch.float32))
-        counts["embedding"] = "blocks"
+        embedding_on = "blocks"
     elif tensor_for(f"{embed_name}.weight") is not None:
         embed.weight = torch.nn.Parameter(_small_tensor(blocks, "token_embd.weight", processor, config_dict,
                                                         tuple(embed.weight.shape)), requires_grad=False)
@@ -251,7 +336,7 @@ def load_gguf_in_place(gguf: Path, config, attn_implementation: str | None = Non
         raise ModelLoadError(f"{gguf.name} holds no tensor for {sorted(set(missing))[:8]}"
                              f"{' ...' if len(set(missing)) > 8 else ''} ({len(set(missing))} in all)")
     release_free_memory()
-    return model.eval(), counts
+    return model.eval(), InPlaceLoad(table, embedding_on)
 
 
 __all__ = ["IN_PLACE_ARCHITECTURES", "load_gguf_in_place", "why_not_in_place"]

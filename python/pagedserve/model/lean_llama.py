@@ -215,10 +215,8 @@ def native_decoder(lean: LeanLlamaDecoder):
     linear layer runs on GGUF blocks (GGUFFloatLinear) and the embedding is
     float32; else (None, why not). The C++ decoder shares the blocks (no copy)
     and borrows the embedding table."""
-    from .gguf_linear import GGUFFloatLinear
-
     dense = [f"model.layers.{i}.{attr}" for i, layer in enumerate(lean.layers) for attr in _LINEARS
-             if not isinstance(getattr(layer, attr), GGUFFloatLinear)]
+             if getattr(getattr(layer, attr), "weight_blocks", None) is None]
     if dense:
         return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
     if lean.norm.dtype != torch.float32:

@@ -30,7 +30,7 @@ import torch
 
 from ..hardware import onednn_linear_unsupported
 from . import tuner
-from .linear_method import LinearMethod, fused_bias
+from .linear_method import LinearLayer, LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ def padded_rows(m: int) -> int:
     return (m + 127) // 128 * 128
 
 
-class OneDNNLinear(torch.nn.Module):
+class OneDNNLinear(LinearLayer):
     """nn.Linear computed by oneDNN (torch.ops.mkldnn._linear_pointwise) with its
     weight pre-packed once in oneDNN's blocked layout and dense activations, so
     no call converts layouts (measured on SmolLM2, 32 requests of 64 + 64 tokens,
@@ -62,6 +62,8 @@ class OneDNNLinear(torch.nn.Module):
     same dtype as the weight (float32, or bfloat16 where the CPU supports
     oneDNN's bf16 path). Rows are padded to padded_rows(m) (zeros, sliced off
     after), so oneDNN only ever sees a bounded set of shapes."""
+
+    row_invariant = False  # LinearLayer.row_invariant: oneDNN blocks by the (padded) row count
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
@@ -80,6 +82,17 @@ class OneDNNLinear(torch.nn.Module):
             x2 = torch.nn.functional.pad(x2, (0, 0, 0, rows - m))  # zero rows below, one allocation
         y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.weight, self.bias, "none", [], "")
         return y[:m].reshape(*lead, self.out_features)
+
+
+def is_library_gemm(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a torch linear layer a method left as it is: a
+    plain ``nn.Linear`` or a subclass (torch's F.linear: MKL, OpenBLAS or
+    oneDNN) or transformers' ``Conv1D`` (GPT-2's projections: torch.addmm).
+    Their GEMM picks its blocking, and so a row's summation order, by the
+    call's row count. (A method's own modules answer LinearLayer.row_invariant.)"""
+    from transformers.pytorch_utils import Conv1D
+
+    return isinstance(module, (torch.nn.Linear, Conv1D))
 
 
 def make_linear(linear: torch.nn.Linear, impl: str) -> torch.nn.Module:
@@ -280,10 +293,14 @@ class DenseMethod(LinearMethod):
         dtype = str(fused.weight.dtype).removeprefix("torch.")
         return make_linear(fused, self.name), f"{dtype} weights, {_NAMES.get(self.name, self.name)}"
 
+    def describe(self) -> str:
+        """LinearMethod.describe: the GEMM path and why it was chosen (describe(choice))."""
+        return describe(self.choice)
+
 
 _NAMES = {"torch": "torch's default GEMM", "onednn": "oneDNN with pre-packed weights"}
 
 
 __all__ = ["LINEAR_IMPLS", "CHOOSER_ROWS", "OneDNNLinear", "LinearChoice", "choose_linear_impl", "describe",
            "count_shapes", "linear_shapes", "make_linear", "path_cases", "padded_rows", "DenseMethod",
-           "why_unavailable", "cache_path"]
+           "why_unavailable", "cache_path", "is_library_gemm"]

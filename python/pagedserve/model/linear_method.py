@@ -24,16 +24,64 @@ forward calls the table for its fused layers, and ``install`` puts it on a
 Hugging Face model's own ``nn.Linear`` modules: there is no other route.
 The table records, per layer type, which method built it and why the
 preferred ones declined; ``summary()`` is the start-up log's line.
+
+A method owns its layers' whole life: ``build`` creates each layer's weights
+from the model's parts (or the GGUF's blocks), ``finish`` settles the model
+once every layer is built (the gguf method measures its row bound there,
+drops the dense copies and moves the embedding onto the blocks),
+``describe`` is the start-up log's account of the path, and the modules it
+builds answer the ``LinearLayer`` questions (their bytes, whether a row's
+result depends on the call's row count, the blocks the native step runs, the
+pruned greedy output layer), so no code outside a method asks a layer's class.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from abc import ABC, abstractmethod
 
 import torch
 
 _LAYER_INDEX = re.compile(r"^model\.layers\.\d+\.")
+
+
+class LinearLayer(torch.nn.Module):
+    """What every linear module a method builds answers (x [..., in_features]
+    -> [..., out_features] in its forward), so that code outside the methods
+    never asks a layer's class. A plain ``nn.Linear`` (or transformers'
+    ``Conv1D``) left in a model is a library GEMM: linear.is_library_gemm.
+
+    Attributes:
+        weight_blocks: the cpu_core.QuantizedWeight whose ``linear_f32``
+            computes this layer exactly for every call (the native step runs
+            it, a tied embedding can share it), or None.
+        float_logits: as an output layer it reads float32 rows whatever the
+            model's dtype (a bfloat16 row is widened exactly) and writes
+            float32 logits: the runner widens the hidden states before it.
+    """
+
+    weight_blocks = None
+    float_logits = False
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the weights held outside the module's parameters and
+        buffers (blocks in C++ memory); 0 where there are none."""
+        return 0
+
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a row's result is the same in a call of any row count (our
+        kernels sum each row in one order; a library GEMM picks its blocking,
+        and so its summation order, by the call's rows)."""
+        return True
+
+    def greedy_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] for rows that only take their
+        argmax: forward(x) here; a layer that can prune (GGUFFloatLinear) keeps
+        only the values that could be a row's maximum exact."""
+        return self(x)
 
 
 class LinearMethod(ABC):
@@ -42,9 +90,36 @@ class LinearMethod(ABC):
     Attributes:
         name: the method's name in logs and tables ("torch", "onednn", "gguf",
             "tiles", "q4", "int8").
+        ours: its layers run our CPU kernels (cpu_core.QuantizedWeight): our
+            thread pool polls between back-to-back calls while it serves.
+        native_step: its layers give the native C++ step their blocks
+            (LinearLayer.weight_blocks).
     """
 
     name: str = ""
+    ours: bool = False
+    native_step: bool = False
+
+    @property
+    def serves(self) -> bool:
+        """Whether the layers it built serve calls (the gguf method's measured
+        row bound can leave all of them to its dense layers)."""
+        return True
+
+    def finish(self, model: torch.nn.Module, lean) -> None:
+        """Called once on the table's first method after every layer is built
+        and installed: settles what is the method's to settle (measurements,
+        dense copies dropped, the embedding on its blocks, the native step
+        rebuilt on them). ``lean``: the lean decoder or None. Default: nothing."""
+
+    def describe(self) -> str:
+        """The start-up log's account of the path (one line), as the table's first method."""
+        return self.name
+
+    def note(self) -> str | None:
+        """What the start-up log adds to every layer-type line of this method
+        (e.g. the calls it serves), or None."""
+        return None
 
     @abstractmethod
     def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module | None, str]:
@@ -111,10 +186,20 @@ class LinearMethodTable:
             raise ValueError("a LinearMethodTable needs at least one method")
         self.methods = list(methods)
         self.decisions: dict[str, list] = {}
+        self._lock = threading.Lock()  # layers may be built on several threads (the in-place loader)
 
     def method(self, name: str) -> LinearMethod | None:
         """The table's method of that name, or None."""
         return next((m for m in self.methods if m.name == name), None)
+
+    def built(self, name: str) -> int:
+        """How many layers (parts, before fusion) the method ``name`` built."""
+        return sum(n for (_, method, _), (n, _) in self.decisions.items() if method == name)
+
+    @property
+    def serving(self) -> LinearMethod:
+        """The first method whose layers serve calls (LinearMethod.serves): the path the log names."""
+        return next((m for m in self.methods if m.serves), self.methods[-1])
 
     def __call__(self, linears: list[torch.nn.Linear], names: list[str]) -> torch.nn.Module:
         declined = []
@@ -124,8 +209,9 @@ class LinearMethodTable:
                 declined.append(f"{method.name}: {what}")
                 continue
             # one entry per (layer type, method, what it runs on): a layer type split over block types gets one each
-            entry = self.decisions.setdefault((layer_type(names), method.name, what), [0, declined])
-            entry[0] += len(linears)
+            with self._lock:
+                entry = self.decisions.setdefault((layer_type(names), method.name, what), [0, declined])
+                entry[0] += len(linears)
             return module
         raise ValueError(f"no linear method takes {', '.join(names)}: {'; '.join(declined)}")
 
@@ -148,11 +234,12 @@ class LinearMethodTable:
                     n += 1
         return n
 
-    def summary(self, notes: dict[str, str] | None = None) -> str:
+    def summary(self) -> str:
         """One line per layer type for the start-up log: which method runs it,
-        on what, how many parts, and why the preferred methods declined.
-        ``notes``: {method name: what to add to its lines} (e.g. the row bound
-        a measurement set after the layers were built)."""
+        on what, how many parts, why the preferred methods declined, and the
+        method's note (LinearMethod.note: e.g. the row bound a measurement set
+        after the layers were built)."""
+        notes = {m.name: m.note() for m in self.methods}
         lines, first = [], {}
         for kind, _, _ in self.decisions:
             first.setdefault(kind, len(first))
@@ -163,4 +250,4 @@ class LinearMethodTable:
         return "\n".join(lines)
 
 
-__all__ = ["LinearMethod", "LinearMethodTable", "as_linear", "fused_bias", "layer_type"]
+__all__ = ["LinearLayer", "LinearMethod", "LinearMethodTable", "as_linear", "fused_bias", "layer_type"]

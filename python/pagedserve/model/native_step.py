@@ -97,10 +97,8 @@ def why_no_native_step(config, device: torch.device) -> str | None:
 
 
 def _blocks(module: torch.nn.Module):
-    """The module's QuantizedWeight if it is a GGUFFloatLinear, else None."""
-    from .gguf_linear import GGUFFloatLinear
-
-    return module.weight_blocks if isinstance(module, GGUFFloatLinear) else None
+    """The QuantizedWeight whose linear_f32 computes the module (LinearLayer.weight_blocks), else None."""
+    return getattr(module, "weight_blocks", None)
 
 
 def _eps(norm: torch.nn.Module) -> float:

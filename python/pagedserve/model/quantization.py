@@ -1,4 +1,4 @@
-"""Quantised linear layers (``--quantization q4|int8``): weights kept in GGUF's
+"""Quantised linear layers (``--linear-impl q4|int8``, vLLM's ``--quantization``): weights kept in GGUF's
 block formats and run by the C++ kernel ``cpu_core.QuantizedWeight``.
 
 A GGUF checkpoint's layers run on the file's own blocks, unchanged, in
@@ -30,11 +30,10 @@ import torch
 
 from ..kernels import cpu_core
 from .gguf_format import NATIVE_QTYPES, GGUFBlocks, quantize_rows
-from .linear_method import LinearMethod, fused_bias
+from .linear_method import LinearLayer, LinearMethod, fused_bias
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("none", "q4", "int8")
 # GGUF block type of each quantisation's linear layers
 QTYPE = {"q4": "q4_1", "int8": "q8_0"}
 # Calls of at least this many rows (prefill chunks) multiply the weights de-quantised to bfloat16 with oneDNN's
@@ -52,7 +51,7 @@ def dense_prefill_available() -> bool:
     return caps.native_bf16 and caps.onednn_bf16
 
 
-class QuantLinear(torch.nn.Module):
+class QuantLinear(LinearLayer):
     """A linear layer on GGUF blocks: x [..., in_features] float32 or bfloat16 ->
     [..., out_features] in x's dtype, x @ dequant(W).T + bias with x rounded to
     int8 per group of 32 (see the module docstring). With ``dense_prefill``,
@@ -92,10 +91,17 @@ class QuantLinear(torch.nn.Module):
         self._columns = list(zip(starts[:-1], starts[1:]))
         self._biases = [None if self.bias is None else self.bias[a:b].contiguous() for a, b in self._columns]
 
+    float_logits = True  # the kernel quantises the rows to int8 from float32 either way
+
     @property
     def nbytes(self) -> int:
         """Bytes of the weight blocks (as the kernel stores them)."""
         return sum(w.nbytes for w in self.weights)
+
+    @property
+    def row_invariant(self) -> bool:
+        """LinearLayer.row_invariant: every call runs the integer kernel (no bfloat16 GEMM for large ones)."""
+        return not self.dense_prefill
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -128,7 +134,7 @@ class QuantLinear(torch.nn.Module):
 
 
 class QuantizedMethod(LinearMethod):
-    """The linear method of ``--quantization q4|int8``: QuantLinear layers on
+    """The linear method of ``--linear-impl q4|int8``: QuantLinear layers on
     the GGUF file's own blocks where it stores a layer in a block type the
     kernels read (any of NATIVE_QTYPES, whatever the quantisation asked), else
     on the float weights quantised here by gguf-py to Q4_1 (q4) or Q8_0
@@ -147,6 +153,8 @@ class QuantizedMethod(LinearMethod):
     Raises:
         ValueError: an unknown quantisation.
     """
+
+    ours = True
 
     def __init__(self, quantization: str, config, gguf: GGUFBlocks | None, batch_invariant: bool = True) -> None:
         if quantization not in QTYPE:
@@ -175,8 +183,8 @@ class QuantizedMethod(LinearMethod):
         try:
             return quantize_rows(linear.weight, qtype), qtype, False
         except ValueError as e:
-            raise ValueError(f"--quantization {self.quantization}: layer {name}: {e}; serve this model with "
-                             "--quantization none") from e
+            raise ValueError(f"--linear-impl {self.quantization}: layer {name}: {e}; serve this model without "
+                             "a quantisation (--linear-impl auto)") from e
 
     def build(self, linears: list[torch.nn.Linear], names: list[str]) -> tuple[torch.nn.Module, str]:
         """One QuantLinear computing the listed layers (same in_features) side by
@@ -199,3 +207,11 @@ class QuantizedMethod(LinearMethod):
         what = "+".join(q.upper() for _, q in runs) + f" blocks, {source}, int8 activations"
         layer = QuantLinear(runs[0][0], runs[0][1], linears[0].in_features, bias, self.dense_prefill, parts=runs[1:])
         return layer, what
+
+    def describe(self) -> str:
+        """LinearMethod.describe: the quantisation, how many layers run the file's own blocks and how many
+        were quantised here, the kernel's ISA, and what large calls take."""
+        large = (f"; calls of {DENSE_MIN_ROWS}+ rows: de-quantised to bfloat16, torch's bfloat16 GEMM"
+                 if self.dense_prefill else "")
+        return (f"{self.quantization}: int8 activations; {self.native} layers on the GGUF's own blocks, "
+                f"{self.requantized} quantised here to {self.qtype} (kernel {cpu_core.kernel_tables()['gemm']}{large})")

@@ -15,8 +15,7 @@ import torch
 from ..kernels.backend import AttentionBackend, AttentionMetadata
 from .attention import ForwardContext, forward_context
 from .features import logits_transform
-from .gguf_linear import GGUFFloatLinear
-from .quantization import QuantLinear
+from .linear_method import LinearLayer
 from .sampler import Sampler, SamplerOutput, SamplingRow, TopLogprobs, compute_prompt_logprobs
 
 logger = logging.getLogger(__name__)
@@ -216,10 +215,9 @@ class ModelRunner:
         maximum and -inf elsewhere (GGUFFloatLinear.greedy_logits: an int8
         pass with an error bound per output, then the exact kernel on the few
         candidates), and the argmax is the full layer's."""
-        if hidden.dtype != torch.float32 and (isinstance(self.lm_head, QuantLinear) or (
-                isinstance(self.lm_head, GGUFFloatLinear) and self.lm_head.dense is None)):
+        if hidden.dtype != torch.float32 and getattr(self.lm_head, "float_logits", False):
             hidden = hidden.float()  # the blocks' kernels widen bfloat16 rows anyway: float32 logits, not rounded
-        if argmax_only and self.logits_transform is None and isinstance(self.lm_head, GGUFFloatLinear):
+        if argmax_only and self.logits_transform is None and isinstance(self.lm_head, LinearLayer):
             return self.lm_head.greedy_logits(hidden).float()  # the full layer where it cannot prune
         logits = self.lm_head(hidden)
         if self.logits_transform is not None:
