@@ -109,8 +109,8 @@ class EngineArgs:
     native_step: bool = field(default=True, metadata=_arg(
         "run a step as one C++ call (embedding, every layer's kernels, final norm) where every linear layer is on "
         "GGUF blocks (the gguf path) and the step fits its row bound: Llama's lean forward, and Gemma 3 / Qwen 2 / "
-        "Qwen 3 over their Hugging Face modules; --no-native-step runs the same kernels one Python call at a time "
-        "(Llama: the same results, bit for bit; the others: the modules' own norms and activations)"))
+        "Qwen 3 over their modules' weights; --no-native-step runs the same kernels one Python call at a time, from "
+        "the same decoder description (the same results, bit for bit; a bfloat16 model: the Hugging Face modules)"))
     batch_invariant: bool = field(default=True, metadata=_arg(
         "a request's logits do not depend on what else its steps hold (the cpu backend's attention: a step of few "
         "sequences is split over query heads; a GGUF's blocks serve every call size, in float32 and bfloat16; "

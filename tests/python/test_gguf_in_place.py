@@ -18,6 +18,7 @@ import gguf_files
 from pagedserve import LLM, SamplingParams
 from pagedserve.model import packaged
 from pagedserve.model.gguf_linear import GGUFEmbedding, GGUFFloatLinear
+from pagedserve.model.startup_check import check_logits
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
@@ -123,6 +124,15 @@ def test_packaged_qwen_coder_decodes_what_transformers_generate_does(model):
             want.append(out[0, len(p):].tolist())
     assert [g[:len(w)] for g, w in zip(got, want)] == want
     assert np.mean([len(set(g)) > 3 for g in got]) == 1.0  # real text, not a repeated token
+    # the description's other executor (--no-native-step): the same kernels from Python, the same logits bit for bit
+    ids = torch.tensor(prompts[0])
+    decoder = engine.runner.lean
+    native_logits = check_logits(engine.runner, ids)[0]
+    native, decoder.native = decoder.native, None
+    try:
+        assert torch.equal(check_logits(engine.runner, ids)[0], native_logits)
+    finally:
+        decoder.native = native
 
 
 @pytest.mark.parametrize("cut", [100, 4000])

@@ -1,7 +1,8 @@
 """The native decode step over Hugging Face modules (pagedserve/model/
 native_step.py; csrc/backends/cpu/step/native_decoder.h): Gemma 3, Qwen 2 and
 Qwen 3 decoders whose linear layers are on GGUF blocks run each step as one
-C++ call. Its logits must equal the Hugging Face modules' (the same blocks;
+C++ call. Its logits must be the Python executor's of the same description
+(decoder.py) bit for bit, equal the Hugging Face modules' (the same blocks;
 the norms' summation order and gelu's last bits may differ) and its greedy
 tokens must be theirs, on tiny random models of each family (prompts longer
 than the sliding window included), and the GeGLU kernel it adds must equal
@@ -71,7 +72,12 @@ def test_the_native_step_equals_the_hugging_face_modules_on_tiny_models(tmp_path
     assert counting.calls > len(token_prompts), "the native step did not run"
     if families.windowed(family) and not overrides:
         assert counting.window_plans == counting.calls  # every step read its local layers through the window plan
-    decoder.native = None  # the Hugging Face modules, on the same blocks
+    decoder.native = None  # the Python executor of the same description: the same kernels, one call at a time
+    python_logits = check_logits(llm.engine.runner, ids)[0]
+    python_out = llm.generate(token_prompts, GREEDY)
+    assert torch.equal(native_logits, python_logits)
+    assert [o.outputs[0].logprobs for o in native_out] == [o.outputs[0].logprobs for o in python_out]
+    decoder.described = None  # the Hugging Face modules, on the same blocks
     hf_logits = check_logits(llm.engine.runner, ids)[0]
     hf_out = llm.generate(token_prompts, GREEDY)
     scale = hf_logits.abs().max()

@@ -42,7 +42,7 @@ logger = logging.getLogger(__name__)
 
 LOAD_THREADS = 8  # at most this many tensors read and repacked at once (one per core below that)
 TRIM_BYTES = 64 << 20  # weights built between two trims of the C heap (_Trim)
-# GGUF architectures read in place (general.architecture); their transformers model types are native_step.FAMILIES'
+# GGUF architectures read in place (general.architecture); their transformers model types are decoder.FAMILIES'
 IN_PLACE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 
 

@@ -9,7 +9,9 @@ runs the same weights as one flat loop over the step's T tokens:
               -> o_proj -> fused add + RMSNorm -> gate_up_proj (one GEMM)
               -> SiLU-and-mul -> down_proj
 
-with RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021) and SiLU-and-mul
+(the Llama row of decoder.FAMILIES with fused qkv and gate_up layers: its
+two executors, the native step and the Python one, are decoder.py's), with
+RMSNorm (Zhang & Sennrich 2019), RoPE (Su et al. 2021) and SiLU-and-mul
 done by the C++ CPU ops of ``kernels/cpu_core.py`` (the names and the fused-residual
 scheme are vLLM's). Everything else — weights, their GEMM path (the chooser's
 or a quantised one), the attention backend — is what the Hugging Face path
@@ -25,8 +27,8 @@ from typing import Callable
 
 import torch
 
-from ..kernels import cpu_core
-from .attention import ForwardContext, attend
+from .attention import ForwardContext
+from .decoder import DecoderLayer, DecoderShape, build_native, python_forward, why_not_native
 from .linear import count_shapes
 
 # rope types whose frequencies do not depend on the sequence length (a table per position is exact)
@@ -54,6 +56,9 @@ def why_not_lean(config, device: torch.device) -> str | None:
     if rope_type not in STATIC_ROPE_TYPES:
         return f"rope type {rope_type} is not a fixed table per position"
     return None
+
+
+_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # a LeanLlamaLayer's linear layers
 
 
 def fused_groups(layer) -> dict[str, list[torch.nn.Linear]]:
@@ -93,6 +98,11 @@ class LeanLlamaLayer(torch.nn.Module):
         self.post_attention_layernorm = layer.post_attention_layernorm.weight.detach()
         self.eps = float(layer.input_layernorm.variance_epsilon)
         self.eps_post = float(layer.post_attention_layernorm.variance_epsilon)
+
+    def described(self) -> DecoderLayer:
+        """The layer as the Llama family's description states it (decoder.DecoderLayer: fused qkv and gate_up)."""
+        return DecoderLayer([self.qkv_proj], self.o_proj, [self.gate_up_proj], self.down_proj, self.input_layernorm,
+                            self.post_attention_layernorm, self.eps, self.eps_post)
 
 
 class NativeStepInfo:
@@ -158,11 +168,21 @@ class LeanLlamaDecoder(NativeStepInfo, torch.nn.Module):
         self.build_native()
 
     def build_native(self) -> None:
-        """(Re)builds the native decode step from the layers as they are now
-        (``self.native``; None, with ``self.why_not_native``, where it cannot run)."""
-        self.native, self.why_not_native = native_decoder(self)
-        # the GGUF layers whose row bound (set by the gguf tuner) bounds the native step
-        self._native_linears = [getattr(layer, attr) for layer in self.layers for attr in _LINEARS]
+        """(Re)builds both executors of the Llama description from the layers
+        as they are now (decoder.py): the Python one, and the native step
+        (``self.native``; None, with ``self.why_not_native``, where it cannot
+        run). Call it after changing a layer."""
+        self.described = [layer.described() for layer in self.layers]
+        self.shape = DecoderShape(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, "silu", self.norm,
+                                  self.norm_eps)
+        # the layers whose row bound (set by the gguf tuner) bounds the native step
+        self._native_linears = [m for layer in self.described for m in layer.linears()]
+        self.native, self.why_not_native = None, why_not_native(self.described, self.shape, self.embed_tokens)
+        if self.why_not_native is None:
+            try:
+                self.native = build_native(self.shape, self.described, self.embed_tokens, self.cos_sin_cache)
+            except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; Python serves
+                self.why_not_native = f"the native decoder refused the weights ({e})"
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -171,77 +191,15 @@ class LeanLlamaDecoder(NativeStepInfo, torch.nn.Module):
         paged store at ctx.slot_mapping and attends with ctx.plan (counted in
         ctx.calls, as the Hugging Face path's attention hook does). Raises
         KernelArgumentError (a ValueError) on a position past the rotary table."""
-        ops, threads = cpu_core, torch.get_num_threads()
         t = input_ids.shape[0]
         if (self.native is not None and t <= self.native_max_rows() and ctx.backend.name == "cpu"
                 and ctx.kv_cache.store.dtype == torch.float32):
             # the same kernels in the same order in one C++ call (native_decoder.h): bit-identical hidden states
             out = torch.empty((t, self.native.hidden_size), dtype=torch.float32)
             self.native.forward(input_ids, positions, ctx.slot_mapping, ctx.kv_cache.store, ctx.plan.for_window(None),
-                                out, self.scale, threads)
+                                out, self.scale, torch.get_num_threads())
             ctx.calls += len(self.layers)
             ctx.windows.add(None)
             return out
-        hq, hk, d = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.head_dim
-        h = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual = h
-                h = torch.empty_like(residual)
-                ops.rms_norm(h, residual, layer.input_layernorm, layer.eps, threads)
-            else:
-                ops.fused_add_rms_norm(h, residual, layer.input_layernorm, layer.eps, threads)
-            qkv = layer.qkv_proj(h)
-            q, k, v = qkv[:, :hq], qkv[:, hq:hq + hk], qkv[:, hq + hk:]
-            ops.rotary_embedding(positions, q, k, d, self.cos_sin_cache, True, threads)
-            attn = attend(ctx, i, q.view(t, self.num_heads, d), k.view(t, self.num_kv_heads, d),
-                          v.view(t, self.num_kv_heads, d), self.scale)
-            h = layer.o_proj(attn.view(t, hq))
-            ops.fused_add_rms_norm(h, residual, layer.post_attention_layernorm, layer.eps_post, threads)
-            gate_up = layer.gate_up_proj(h)
-            act = torch.empty((t, gate_up.shape[1] // 2), dtype=gate_up.dtype)
-            ops.silu_and_mul(act, gate_up, threads)
-            h = layer.down_proj(act)
-        ops.fused_add_rms_norm(h, residual, self.norm, self.norm_eps, threads)
-        return h
-
-
-_LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def native_decoder(lean: LeanLlamaDecoder):
-    """(the native decode step of ``lean``'s weights, None) where every fused
-    linear layer runs on GGUF blocks (GGUFFloatLinear) and the embedding is
-    float32; else (None, why not). The C++ decoder shares the blocks (no copy)
-    and borrows the embedding table."""
-    dense = [f"model.layers.{i}.{attr}" for i, layer in enumerate(lean.layers) for attr in _LINEARS
-             if getattr(getattr(layer, attr), "weight_blocks", None) is None]
-    if dense:
-        return None, f"{len(dense)} linear layers are not on GGUF blocks (e.g. {dense[0]})"
-    if lean.norm.dtype != torch.float32:
-        return None, f"the model computes in {str(lean.norm.dtype).removeprefix('torch.')} (the native step in float32)"
-    if hasattr(lean.embed_tokens, "weight_blocks"):  # GGUFEmbedding: rows de-quantised per token
-        if getattr(lean.embed_tokens, "embed_scale", None) is not None:
-            return None, "the embedding is scaled (the C++ decoder reads the rows as they are)"
-        embed = lean.embed_tokens.weight_blocks
-    else:
-        embed = lean.embed_tokens.weight.detach()
-        if embed.dtype != torch.float32:
-            return None, f"the embedding is {embed.dtype}, not float32"
-        embed = embed.contiguous()
-    try:
-        return _build_native(lean, embed), None
-    except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; the Python path serves
-        return None, f"the native decoder refused the weights ({e})"
-
-
-def _build_native(lean: LeanLlamaDecoder, embed):
-    native = cpu_core.NativeDecoder(embed, lean.cos_sin_cache, lean.norm.float().contiguous(),
-                                     lean.norm_eps, lean.num_heads, lean.num_kv_heads, lean.head_dim)
-    for layer in lean.layers:
-        mods = [getattr(layer, attr) for attr in _LINEARS]
-        native.add_layer(*[m.weight_blocks for m in mods], *[m.bias for m in mods],
-                         layer.input_layernorm.float().contiguous(), layer.post_attention_layernorm.float().contiguous(),
-                         layer.eps, layer.eps_post)
-    return native
+        return python_forward(self.shape, self.described, self.embed_tokens, input_ids, positions,
+                              [self.cos_sin_cache], ctx)

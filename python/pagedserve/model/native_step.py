@@ -14,50 +14,22 @@ between the families as options, read here from the modules (FAMILIES):
 - Qwen 2: Llama's layer with q/k/v biases (and sliding windows where the
   config has them); Qwen 3: per-head q/k RMSNorm instead of the biases.
 
-The Hugging Face modules stay in place: they are the reference (tests compare
-the logits) and serve the steps the native step does not (more tokens than the
-blocks' row bound, another dtype or backend).
+Both executors of the family's description (decoder.py) run over the
+modules' own weights: the native step, and the Python executor for the steps
+it does not take (another attention backend, more tokens than the blocks' row
+bound, ``--no-native-step``). The Hugging Face modules stay in place: they
+are the reference (tests compare the logits) and serve a bfloat16 model's
+steps.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from ..kernels import cpu_core
 from .attention import ForwardContext, forward_context
+from .decoder import FAMILIES, DecoderLayer, DecoderShape, build_native, python_forward, why_not_native
 from .lean_llama import STATIC_ROPE_TYPES, NativeStepInfo
-from .linear_method import fused_bias
 
-
-@dataclass(frozen=True)
-class Family:
-    """How a decoder family's modules map onto the native step.
-
-    Attributes:
-        activations: the config's hidden activation names -> the step's ("silu", "gelu_tanh").
-        gemma_norms: RMSNorm multiplies by (1 + w) (Gemma) rather than w.
-        pre_mlp: the layer's norm applied to the residual before the MLP.
-        post_attn, post_mlp: the norms on the attention / MLP outputs, or None.
-        qk_norm: the attention module has per-head q_norm and k_norm.
-    """
-
-    activations: dict
-    gemma_norms: bool
-    pre_mlp: str
-    post_attn: str | None = None
-    post_mlp: str | None = None
-    qk_norm: bool = False
-
-
-FAMILIES = {
-    "llama": Family({"silu": "silu"}, False, "post_attention_layernorm"),
-    "gemma3_text": Family({"gelu_pytorch_tanh": "gelu_tanh"}, True, "pre_feedforward_layernorm",
-                          "post_attention_layernorm", "post_feedforward_layernorm", qk_norm=True),
-    "qwen2": Family({"silu": "silu"}, False, "post_attention_layernorm"),
-    "qwen3": Family({"silu": "silu"}, False, "post_attention_layernorm", qk_norm=True),
-}
 _ATTN = ("q_proj", "k_proj", "v_proj")
 _MLP = ("gate_proj", "up_proj")
 
@@ -94,11 +66,6 @@ def why_no_native_step(config, device: torch.device) -> str | None:
         if rope_type not in STATIC_ROPE_TYPES:
             return f"the {layer_type or 'model'}'s rope type {rope_type} is not a fixed table per position"
     return None
-
-
-def _blocks(module: torch.nn.Module):
-    """The QuantizedWeight whose linear_f32 computes the module (LinearLayer.weight_blocks), else None."""
-    return getattr(module, "weight_blocks", None)
 
 
 def _eps(norm: torch.nn.Module) -> float:
@@ -149,6 +116,27 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
         w = norm.weight.detach().float()
         return ((1.0 + w) if self.family.gemma_norms else w).contiguous()
 
+    def describe_layers(self) -> list[DecoderLayer]:
+        """The modules' layers as the family's description states them (decoder.DecoderLayer): the modules'
+        own linear layers, float32 norm factors, each layer's rotary table and sliding window."""
+        fam, layers = self.family, []
+        for layer, layer_type in zip(self.decoder.layers, self.layer_types):
+            a, m = layer.self_attn, layer.mlp
+            pre_mlp = getattr(layer, fam.pre_mlp)
+            optional = {}
+            if fam.post_attn:
+                optional["post_attn_layernorm"] = self._factor(getattr(layer, fam.post_attn))
+            if fam.post_mlp:
+                optional["post_mlp_layernorm"] = self._factor(getattr(layer, fam.post_mlp))
+            if fam.qk_norm:
+                optional["q_norm"], optional["k_norm"] = self._factor(a.q_norm), self._factor(a.k_norm)
+            layers.append(DecoderLayer(
+                [getattr(a, n) for n in _ATTN], a.o_proj, [getattr(m, n) for n in _MLP], m.down_proj,
+                self._factor(layer.input_layernorm), self._factor(pre_mlp), _eps(layer.input_layernorm),
+                _eps(pre_mlp), rope_table=self.rope_index[layer_type],
+                sliding_window=self.window if layer_type == "sliding_attention" else 0, **optional))
+        return layers
+
     def _rope_rows(self, positions: torch.Tensor) -> list[torch.Tensor]:
         """The step's rows of each rotary table: [T, D] float32 (cos then sin of
         each token's position times the frequencies), computed by the model's
@@ -166,71 +154,40 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
 
     @torch.inference_mode()
     def build_native(self) -> None:
-        """(Re)builds the native step from the modules as they are now: every
-        linear layer must be on GGUF blocks (GGUFFloatLinear) and the embedding
-        float32 or on blocks; else ``native`` is None and ``why_not_native``
-        says why. The C++ decoder shares the blocks (no copy)."""
-        self.native, self.why_not_native, self._native_linears = None, None, []
-        layers, fam = list(self.decoder.layers), self.family
-        if not layers:
+        """(Re)builds both executors from the modules as they are now: the
+        Python one (``described``: the layers as decoder.DecoderLayer; None for
+        a model that does not compute in float32, whose steps the modules run)
+        and the native step (``native``; None where decoder.why_not_native, or
+        the C++ decoder, refuses, with ``why_not_native`` saying why). The C++
+        decoder shares the blocks (no copy)."""
+        self.native, self.why_not_native, self._native_linears, self.described = None, None, [], None
+        if not list(self.decoder.layers):
             self.why_not_native = "no decoder layers"
             return
-        for i, layer in enumerate(layers):
-            a, m = layer.self_attn, layer.mlp
-            for name, module in [(f"self_attn.{n}", getattr(a, n)) for n in _ATTN + ("o_proj",)] + \
-                                [(f"mlp.{n}", getattr(m, n)) for n in _MLP + ("down_proj",)]:
-                if _blocks(module) is None:
-                    self.why_not_native = f"model.layers.{i}.{name} is not on GGUF blocks"
-                    return
-                self._native_linears.append(module)
-        norm = self.decoder.norm.weight
-        if norm.dtype != torch.float32:
-            self.why_not_native = f"the model computes in {str(norm.dtype).removeprefix('torch.')} (the native step in float32)"
+        norm = self.decoder.norm
+        if norm.weight.dtype == torch.float32:
+            self.described = self.describe_layers()
+        activation = self.family.activations[_activation_name(self.decoder.config)]
+        self.shape = DecoderShape(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, activation,
+                                  self._factor(norm), _eps(norm))
+        why = (f"the model computes in {str(norm.weight.dtype).removeprefix('torch.')} (the native step in float32)"
+               if self.described is None else why_not_native(self.described, self.shape, self.decoder.embed_tokens))
+        if why is not None:
+            self.why_not_native = why
             return
-        embed = self.decoder.embed_tokens
-        scale = getattr(embed, "embed_scale", None)
-        scale = 1.0 if scale is None else float(torch.as_tensor(scale).float())
-        if hasattr(embed, "weight_blocks"):  # GGUFEmbedding
-            table = embed.weight_blocks
-        else:
-            table = embed.weight.detach()
-            if table.dtype != torch.float32:
-                self.why_not_native = f"the embedding is {table.dtype}, not float32"
-                return
-            table = table.contiguous()
-        activation = fam.activations[_activation_name(self.decoder.config)]
+        self._native_linears = [m for layer in self.described for m in layer.linears()]
         try:
-            native = cpu_core.NativeDecoder(
-                table, [], self._factor(self.decoder.norm), _eps(self.decoder.norm), self.num_heads,
-                self.num_kv_heads, self.head_dim, embed_scale=scale, activation=activation)
-            for layer, layer_type in zip(layers, self.layer_types):
-                a, m = layer.self_attn, layer.mlp
-                qkv, gate_up = [getattr(a, n) for n in _ATTN], [getattr(m, n) for n in _MLP]
-                pre_mlp = getattr(layer, fam.pre_mlp)
-                optional = {}
-                if fam.post_attn:
-                    optional["post_attn_layernorm"] = self._factor(getattr(layer, fam.post_attn))
-                if fam.post_mlp:
-                    optional["post_mlp_layernorm"] = self._factor(getattr(layer, fam.post_mlp))
-                if fam.qk_norm:
-                    optional["q_norm"], optional["k_norm"] = self._factor(a.q_norm), self._factor(a.k_norm)
-                native.add_layer(
-                    [_blocks(x) for x in qkv], _blocks(a.o_proj), [_blocks(x) for x in gate_up], _blocks(m.down_proj),
-                    fused_bias(qkv), fused_bias([a.o_proj]), fused_bias(gate_up), fused_bias([m.down_proj]),
-                    self._factor(layer.input_layernorm), self._factor(pre_mlp), _eps(layer.input_layernorm),
-                    _eps(pre_mlp), rope_table=self.rope_index[layer_type],
-                    sliding_window=self.window if layer_type == "sliding_attention" else 0, **optional)
-        except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; the modules serve
+            self.native = build_native(self.shape, self.described, self.decoder.embed_tokens)
+        except ValueError as e:  # KernelArgumentError: a shape the C++ decoder does not take; Python serves
             self.why_not_native = f"the native decoder refused the weights ({e})"
-            return
-        self.native = native
+            self._native_linears = []
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64 (the step's flat batch) -> final hidden
         states [T, hidden]: the native step where it serves this step (float32
-        store, CPU backend, T within the row bound), the Hugging Face decoder
-        otherwise. Writes each layer's K/V at ctx.slot_mapping (counted in
+        store, CPU backend, T within the row bound), else the Python executor
+        of the same description (float32 models), else the Hugging Face decoder. Writes each layer's K/V at ctx.slot_mapping (counted in
         ctx.calls and ctx.windows, as the attention hook does). Raises
         KernelArgumentError (a ValueError) on bad ids or positions."""
         t = input_ids.shape[0]
@@ -245,6 +202,9 @@ class NativeStepDecoder(NativeStepInfo, torch.nn.Module):
             ctx.windows.update({self.window if (lt == "sliding_attention" and self.window) else None
                                 for lt in self.layer_types})
             return out
+        if self.described is not None:
+            return python_forward(self.shape, self.described, self.decoder.embed_tokens, input_ids,
+                                  torch.arange(t), self._rope_rows(positions), ctx)
         with forward_context(ctx):
             return self.decoder(input_ids=input_ids[None], position_ids=positions[None],
                                 use_cache=False).last_hidden_state[0]

@@ -182,7 +182,7 @@ def prepare_in_place(model: torch.nn.Module, max_model_len: int, load: InPlaceLo
     """Prepares a model read in place from a GGUF file (gguf_load.load_gguf_in_place:
     its linear layers and embedding already on the file's blocks, which serve
     calls of every size) in place: the native step over its modules where its
-    family has one (native_step.FAMILIES), else the Hugging Face modules.
+    family has one (decoder.FAMILIES), else the Hugging Face modules.
 
     Args:
         load: what load_gguf_in_place built (its decision table, the embedding's place).
