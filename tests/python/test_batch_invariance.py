@@ -156,7 +156,7 @@ def test_the_start_up_log_names_what_batch_invariance_does_not_cover(tiny_llama_
     is off and keeps the measured library GEMM."""
     dense = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, linear_impl="torch")
     assert dense.engine.batch_invariance.startswith("on, except ")
-    assert "linear layers on a library GEMM" in dense.engine.batch_invariance
+    assert "linear modules on a library GEMM" in dense.engine.batch_invariance
     del dense
     off = LLM(model=tiny_llama_dir, skip_tokenizer_init=True, num_kv_blocks=16, batch_invariant=False)
     assert off.engine.batch_invariance.startswith("off")
@@ -178,7 +178,7 @@ def test_gpt2s_conv1d_projections_take_the_tiles_or_are_named_as_on_a_library_ge
     assert _run(llm, prompts, batched=True) == alone
     del llm
     dense = LLM(linear_impl="torch", **kwargs)
-    assert dense.engine.batch_invariance.startswith("on, except 9 linear layers on a library GEMM"), \
+    assert dense.engine.batch_invariance.startswith("on, except 9 linear modules on a library GEMM"), \
         dense.engine.batch_invariance
     assert "transformer.h.0.attn.c_attn" in dense.engine.batch_invariance
 

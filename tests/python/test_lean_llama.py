@@ -107,7 +107,9 @@ def test_model_impl_auto_picks_lean_for_llama_only_and_pagedserve_refuses_others
                                      sliding_window=None)).save_pretrained(tmp_path / "mistral")
     mistral = LLM(model=str(tmp_path / "mistral"), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16)
     assert mistral.engine.runner.lean is None and "Llama architecture only" in mistral.engine.model_impl
-    with pytest.raises(ValueError, match="--model-impl pagedserve: no lean forward for this model"):
+    with pytest.raises(ValueError, match="--model-impl pagedserve: no PagedServe decoder for this model .the lean "
+                       "forward: it implements the Llama architecture only .this model: mistral.; the decoder "
+                       "description: no native step for mistral"):
         LLM(model=str(tmp_path / "mistral"), dtype="float32", skip_tokenizer_init=True, num_kv_blocks=16,
             model_impl="pagedserve")
 

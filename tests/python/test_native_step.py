@@ -90,7 +90,7 @@ def test_no_native_step_without_blocks_or_for_another_family(tmp_path):
               skip_tokenizer_init=True, num_kv_blocks=16)
     assert llm.engine.runner.lean is None  # no GGUF: the gguf path, and so the native step, does not apply
     decoder = NativeStepDecoder(llm.engine.model, llm.engine.max_model_len)
-    assert decoder.native is None and "is not on GGUF blocks" in decoder.why_not_native
+    assert decoder.native is None and "the native step cannot compute" in decoder.why_not_native
     assert "no native decode step" in decoder.describe_native()
     llama = llm.engine.model.config.__class__.__name__  # a family the table lacks names the ones it has
     config = type("C", (), {"model_type": "gpt2"})()

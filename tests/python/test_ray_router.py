@@ -180,3 +180,6 @@ def test_kv_events_with_replicas_need_one_free_port_per_replica():
                          (("--kv-events-endpoint", "tcp://127.0.0.1:0"), "port number")]:
         with pytest.raises(ValueError, match=match):
             check_args(args(*flags))
+    # an engine flag every replica would refuse is refused here, before Ray starts
+    with pytest.raises(ValueError, match="name two linear methods"):
+        check_args(args("--quantization", "q4", "--linear-impl", "torch"))

@@ -4,9 +4,9 @@ N requests of PROMPT_LEN random tokens, OUTPUT_LEN greedy output tokens each,
 EOS ignored; the Hugging Face baselines run in float32, PagedServe in --dtype
 (by default float32, so its greedy tokens can be compared with static
 batching's: float32 rounding differs between a padded batch and a packed one,
-so a near-tie can flip a token; with --quantization the engine's own default,
-auto, as `pagedserve serve --quantization ...` runs: bfloat16 activations where
-the CPU has native bf16 arithmetic). Each system first runs a short untimed
+so a near-tie can flip a token; with --quantization (--linear-impl q4|int8)
+the engine's own default, auto, as `pagedserve serve --quantization ...` runs:
+float32 on the CPU). Each system first runs a short untimed
 warm-up; --repeat R alternates static batching and PagedServe R times and
 keeps each one's fastest run. PagedServe runs with its prefix cache off: the
 repeats send the same prompts again, and a cache hit there would skip prefill
@@ -170,8 +170,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
                     help="PagedServe's decoder forward: its lean Llama forward or the Hugging Face modules")
     ap.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
                     help="PagedServe's weights, activations and KV cache (the Hugging Face baselines stay float32); "
-                         "default: float32, or with --quantization the engine's default (auto: bfloat16 where the "
-                         "CPU has native bf16); with bfloat16 the outputs are no longer float32's and the accuracy "
+                         "default: float32, or with --quantization the engine's default (auto: float32 on the CPU); "
+                         "with bfloat16 the outputs are no longer float32's and the accuracy "
                          "figures are printed")
     ap.add_argument("--quantization", default="none", choices=["none", *QUANTIZATIONS],
                     help="vLLM's spelling of --linear-impl q4|int8: PagedServe on quantised weights (q4: the GGUF's "

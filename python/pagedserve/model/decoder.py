@@ -193,8 +193,8 @@ def why_not_native(layers: list[DecoderLayer], shape: DecoderShape, embed_tokens
     for i, layer in enumerate(layers):
         for module in layer.linears():
             if getattr(module, "weight_blocks", None) is None:
-                return (f"a linear layer of model.layers.{i} ({type(module).__name__}) is not on GGUF blocks "
-                        "(or our GEMM's tiles)")
+                return (f"model.layers.{i} has a linear layer ({type(module).__name__}) the native step cannot "
+                        "compute (it takes float32 layers on GGUF blocks or our GEMM's tiles)")
     if shape.norm.dtype != torch.float32:
         return f"the model computes in {str(shape.norm.dtype).removeprefix('torch.')} (the native step in float32)"
     if getattr(embed_tokens, "weight_blocks", None) is None and embed_tokens.weight.dtype != torch.float32:

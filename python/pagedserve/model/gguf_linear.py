@@ -385,7 +385,7 @@ class GGUFFloatMethod(LinearMethod):
             return
         if not (self.serves_all and self.declined == 0):
             return
-        self.released = f"{self.release_dense()} dense layers dropped"
+        self.released = f"the dense copies of its {self.release_dense()} modules (a fused layer counts once) dropped"
         embedding = self.embedding(model.get_input_embeddings(), model.lm_head)
         if embedding is not None:
             shared = embedding.weight_blocks is getattr(model.lm_head, "weight_blocks", None)

@@ -96,7 +96,8 @@ def describe_batch_invariance(batch_invariant: bool, backend: str, dense_layers)
         gaps.append(f"the {backend} backend's attention (only the cpu backend's kernels reduce a query row the "
                     "same way in any step)")
     if dense_layers:
-        gaps.append(f"{len(dense_layers)} linear layers on a library GEMM whose bits depend on the call's rows "
+        gaps.append(f"{len(dense_layers)} linear modules on a library GEMM (a fused layer counts once) whose bits "
+                    "depend on the call's rows "
                     f"(e.g. {dense_layers[0]}; our GEMM takes GGUF blocks, or nn.Linear float32 / bfloat16 "
                     "weights whose in_features is a multiple of 32, on the CPU)")
     return "on" if not gaps else "on, except " + "; ".join(gaps)
@@ -146,8 +147,6 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
     """
     config = model.config
     why_lean = "--model-impl transformers" if model_impl == "transformers" else why_not_lean(config, device)
-    if why_lean is not None and model_impl == "pagedserve":
-        raise ValueError(f"--model-impl pagedserve: no lean forward for this model: {why_lean}")
     table = linear_methods(model, dtype, device, linear_impl, gguf_path, lean_shapes=why_lean is None,
                            batch_invariant=batch_invariant)
     lean = None
@@ -160,21 +159,41 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
             "asked for)" if model_impl == "pagedserve" else "auto: a Llama-architecture model)")
     else:  # the modules' own linear layers; on the tiles GPT-2's Conv1D too (else outside batch invariance)
         table.install(model, conv1d=table.method("tiles") is not None)
-        why = f"transformers ({why_lean})"
     table.methods[0].finish(model, lean)
     serving = table.serving
     # where our kernels make a step's GEMMs, their pool polls between back-to-back calls instead of sleeping;
     # between torch's GEMMs polling would take the cores from OpenMP's threads
     cpu_core.set_thread_pool_spin_us(QUANTIZED_POOL_SPIN_US if serving.ours else 0)
-    if (lean is None and serving.native_step and model_impl != "transformers"
-            and why_no_native_step(config, device) is None):
-        lean = NativeStepDecoder(model, max_model_len)  # over the modules, on the blocks or tiles
+    if lean is None:
+        why_not = why_described(config, device, model_impl, serving)
+        if why_not is None:  # the family's description over the modules' own (blocks or tiles) layers
+            lean = NativeStepDecoder(model, max_model_len)
+            why = f"pagedserve ({config.model_type} from its decoder description)"
+        elif model_impl == "pagedserve":
+            raise ValueError(f"--model-impl pagedserve: no PagedServe decoder for this model (the lean forward: "
+                             f"{why_lean}; the decoder description: {why_not})")
+        else:
+            why = ("transformers (--model-impl transformers)" if model_impl == "transformers" else
+                   f"transformers (the lean forward: {why_lean}; the decoder description: {why_not})")
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
         why = why[:-1] + f"; {lean.describe_native()})"
     return PreparedModel(lean, why, serving.name, table.methods[0].describe(), weight_bytes(model),
                          table.summary(), tuple(dense_gemm_layers(model)))
+
+
+def why_described(config, device: torch.device, model_impl: str, serving) -> str | None:
+    """Why the executors of the model family's description (NativeStepDecoder)
+    cannot run a model whose linear layers the table's method ``serving``
+    built, or None if they can: the family must be in decoder.FAMILIES and its
+    layers float32 ones on our kernel (the gguf or tiles methods)."""
+    if model_impl == "transformers":
+        return "--model-impl transformers"
+    why = why_no_native_step(config, device)
+    if why is None and not serving.native_step:
+        why = f"its {serving.name} layers are not ones it takes (float32 layers on GGUF blocks or our GEMM's tiles)"
+    return why
 
 
 def prepare_in_place(model: torch.nn.Module, max_model_len: int, load: InPlaceLoad, *, model_impl: str = "auto",

@@ -310,7 +310,9 @@ def _bound_address(endpoint: str) -> str:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Raises ValueError for flags `serve --replicas` cannot serve: replicas < 1,
+    """Raises ValueError (TypeError) for flags `serve --replicas` cannot serve:
+    engine flags EngineArgs refuses (each replica would otherwise fail the same
+    way after Ray started, its retries behind a deployment error), replicas < 1,
     a routing policy outside ROUTING_POLICIES, load-guard thresholds out of
     range, a --kv-events-endpoint (or replay endpoint) that cannot be offset
     for every replica's rank (replica_kv_events_args), or whose replicas' ports
@@ -331,6 +333,9 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--routing must be one of {', '.join(ROUTING_POLICIES)}, got {args.routing!r}")
     if args.routing == "prefix":
         PrefixAffinityRouter(args.balance_abs_threshold, args.balance_rel_threshold)  # raises ValueError
+    from ..config import EngineArgs
+
+    EngineArgs.from_cli_args(args)  # raises ValueError / TypeError, as each replica's engine would
 
 
 def build_app(args: argparse.Namespace):
