@@ -67,6 +67,9 @@ def test_the_linear_method_is_one_option_with_vllms_quantization_as_its_other_sp
         EngineArgs(quantization="q3")
     with pytest.raises(ValueError, match="linear_impl must be one of"):
         EngineArgs(linear_impl="q3")
+    for method in ("gguf", "q4", "int8"):  # refused by name before any file is read or converted
+        with pytest.raises(ValueError, match=f"--linear-impl {method} runs our CPU kernels: not on device meta"):
+            LLM(linear_impl=method, device="meta")
 
 
 def test_llm_takes_keywords_only():
