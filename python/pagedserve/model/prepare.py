@@ -174,7 +174,8 @@ def prepare_model(model: torch.nn.Module, dtype: torch.dtype, device: torch.devi
                              f"{why_lean}; the decoder description: {why_not})")
         else:
             why = ("transformers (--model-impl transformers)" if model_impl == "transformers" else
-                   f"transformers (the lean forward: {why_lean}; the decoder description: {why_not})")
+                   f"transformers: the Hugging Face modules, as no PagedServe decoder applies (not the lean "
+                   f"forward: {why_lean}; not the {config.model_type} description's executors: {why_not})")
     if lean is not None:
         if not native_step:
             lean.native, lean.why_not_native = None, "--no-native-step"
