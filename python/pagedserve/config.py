@@ -104,8 +104,9 @@ class EngineArgs:
         "output layer to Q8_0), int8 activations in groups of 32; int8 = the same with Q8_0 blocks",
         choices=list(LINEAR_METHODS)))
     model_impl: str = field(default="auto", metadata=_arg(
-        "decoder forward: auto = PagedServe's lean forward where the architecture has one (Llama), else the "
-        "Hugging Face modules (Gemma 3, Qwen 2/3: under the native step where it applies); pagedserve = the lean "
+        "decoder forward: auto = PagedServe's decoder where one applies (Llama's lean forward; Gemma 3, Qwen 2/3 "
+        "from their decoder description where the linear layers are on GGUF blocks or our GEMM's tiles), else the "
+        "Hugging Face modules; pagedserve = PagedServe's decoder "
         "forward (error if none); transformers = the Hugging Face modules only",
         choices=["auto", "pagedserve", "transformers"]))
     native_step: bool = field(default=True, metadata=_arg(
@@ -198,9 +199,11 @@ class EngineArgs:
             if isinstance(allowed, list) and value not in allowed and not (value is None and f.type.endswith("| None")):
                 raise ValueError(f"{f.name} must be one of {', '.join(map(str, allowed))}, got {value!r}")
         try:
-            torch.device(self.device)
+            device = torch.device(self.device)
         except RuntimeError as e:
             raise ValueError(f"device must be a torch device such as cpu, cuda or mps: {e}") from e
+        if device.type != "cpu" and self.linear_impl in ("gguf", *QUANTIZATIONS):  # before any file is read
+            raise ValueError(f"--linear-impl {self.linear_impl} runs our CPU kernels: not on device {device}")
         if self.scheduling_policy not in _core.SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(_core.SCHEDULING_POLICIES)}, "
                              f"got '{self.scheduling_policy}'")

@@ -46,7 +46,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve import LLM, SamplingParams
-from pagedserve.config import LINEAR_METHODS, QUANTIZATIONS
+from pagedserve.config import LINEAR_METHODS, QUANTIZATIONS, EngineArgs
 from pagedserve.sampling_params import StructuredOutputsParams
 from pagedserve.baseline.hf_generate import generate_sequential, generate_static_batch
 from pagedserve.experiments import plots
@@ -197,10 +197,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ap.error(f"--constrained must be in [0, --num-requests], got {args.constrained}")
     plots.require_writable(ap, args.plot)
 
-    if args.quantization != "none":  # one option: the engine refuses two different methods by name
-        if args.linear_impl not in ("auto", args.quantization):
-            ap.error(f"--quantization {args.quantization} and --linear-impl {args.linear_impl} name two methods")
-        args.linear_impl = args.quantization
+    try:  # one option: EngineArgs resolves the two spellings and refuses two different methods by name
+        args.linear_impl = EngineArgs(linear_impl=args.linear_impl, quantization=args.quantization).linear_impl
+    except ValueError as e:
+        ap.error(str(e))
     args.quantization = args.linear_impl if args.linear_impl in QUANTIZATIONS else "none"
     if args.dtype is None:
         args.dtype = "float32" if args.quantization == "none" else "auto"

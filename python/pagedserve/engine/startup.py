@@ -106,8 +106,6 @@ def build_engine(args: EngineArgs) -> EngineParts:
     if parts.device.type == "mps" and not torch.backends.mps.is_available():
         raise ValueError("device 'mps' asked for, but torch sees no MPS device")
     parts.dtype, why_dtype = resolve_dtype(args.dtype, args.device)
-    if parts.device.type != "cpu" and args.linear_impl in ("gguf", *QUANTIZATIONS):  # before any file is read
-        raise ValueError(f"--linear-impl {args.linear_impl} runs our CPU kernels: not on device {parts.device}")
     source = resolve_source(args.model)
     architecture = read_tensor_index(source.gguf)["architecture"] if source.gguf else ""
     why_converted = why_not_in_place(source.gguf, architecture, parts.dtype, parts.device, args.linear_impl)

